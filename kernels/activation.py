@@ -1,0 +1,22 @@
+"""SiLU-and-mul: the gated MLP activation ``silu(gate) * up`` over a fused gate/up projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kernels.dispatch import use_triton
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [num_tokens, 2 * d]`` (gate then up) -> ``[num_tokens, d]``."""
+    if use_triton(x):
+        from kernels.triton_activation import silu_and_mul_triton
+
+        return silu_and_mul_triton(x)
+    return silu_and_mul_ref(x)
+
+
+def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    d = x.shape[-1] // 2
+    return F.silu(x[..., :d]) * x[..., d:]

@@ -1,0 +1,40 @@
+"""The ``loom`` command line. Each command family lives in its own module and registers here."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+# Each entry: module path -> name of its ``register(subparsers)`` function. A registered command
+# sets ``func`` on its parser; ``main`` calls it with the parsed arguments and exits with its result.
+_COMMAND_MODULES: list[str] = [
+    "loom.cmd_generate",
+    "loom.cmd_bench",
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loom", description="Loom: multi-tenant LLM inference.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    import importlib
+
+    for module_name in _COMMAND_MODULES:
+        module = importlib.import_module(module_name)
+        register: Callable[[argparse._SubParsersAction], None] = module.register
+        register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code or 0)
+
+
+if __name__ == "__main__":
+    main()
