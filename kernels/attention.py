@@ -25,6 +25,8 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], on the compute device
     max_query_len: int
     max_seq_len: int
+    # Triton split-KV override: None lets choose_num_kv_splits decide, 1 forces the single pass.
+    kv_splits: int | None = None
     # Host copies, so the CPU reference can plan without a device sync per layer.
     query_start_loc_host: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
@@ -102,13 +104,37 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of ``q [num_tokens, num_heads, head_dim]`` over the paged cache; same shape out."""
+    """Attention of ``q [num_tokens, num_heads, head_dim]`` over the paged cache; same shape out.
+
+    ``out`` (optional, ``[num_tokens, num_heads, head_dim]`` in q's dtype) receives the result
+    instead of a fresh tensor; rows of tokens outside every sequence are left untouched.
+    """
     if use_triton(q):
         from kernels.triton_attention import paged_attention_triton
 
-        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
-    return paged_attention_ref(q, k_cache, v_cache, meta, scale)
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
+    return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
+
+
+# Split-KV heuristic (used by the Triton path). A decode program streams one sequence's keys for
+# one KV head; with fewer such programs than the GPU holds in flight, bandwidth sits idle, so long
+# contexts are cut into splits (merged afterwards). Mixed/prefill batches have query tiles enough.
+_SPLIT_TARGET_PROGRAMS_PER_SM = 8  # resident 4-warp programs per SM needed to saturate HBM
+_SPLIT_MIN_KEYS = 256  # below this a split costs more in launch/merge than it saves
+_SPLIT_MAX = 32
+
+
+def choose_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int
+) -> int:
+    """Number of KV splits for a batch: 1 (single pass) unless a decode batch underfills the GPU."""
+    if max_query_len != 1 or num_seqs == 0:
+        return 1
+    programs = num_seqs * num_kv_heads
+    want = -(-(_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms) // programs)
+    return max(1, min(want, max_seq_len // _SPLIT_MIN_KEYS, _SPLIT_MAX))
 
 
 def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
@@ -123,12 +149,18 @@ def paged_attention_ref(
     v_cache: torch.Tensor,
     meta: PagedAttentionMetadata,
     scale: float,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Torch reference: fp32 math whatever the cache dtype; decodes batched, chunks one by one."""
+    """Torch reference: fp32 math whatever the cache dtype; decodes batched, chunks one by one.
+
+    Cache slots past a sequence's length (the tail of its last block, padded table entries) may
+    hold anything, NaN included: they are masked out of the scores and zeroed in V.
+    """
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
-    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if out is None:
+        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
     plan = meta.reference_plan()
     tables = meta.block_tables.long()
 
@@ -142,6 +174,7 @@ def paged_attention_ref(
         lens = meta.seq_lens[plan.decode_seqs].long()
         pad = torch.arange(scores.shape[-1], device=q.device)[None, :] >= lens[:, None]
         scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        v.masked_fill_(pad[:, None, :, None], 0.0)  # 0 * NaN would poison the product
         probs = torch.softmax(scores, dim=-1)
         od = torch.matmul(probs, v).view(-1, num_heads, head_dim)
         out[plan.decode_rows] = od.to(q.dtype)
