@@ -1,0 +1,77 @@
+"""Builds the flat varlen batch of one step, runs the model and samples the next tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from kernels import PagedAttentionMetadata
+from worker.kv_cache import KVCache
+from worker.model import ForwardBatch, LlamaModel
+from worker.sampler import RequestRng, sample
+from worker.scheduler import ScheduledBatch
+
+
+def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
+    """Inputs for ``batch``: each sequence's next ``n`` tokens, their positions and cache slots."""
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    logits_rows: list[int] = []
+    query_lens: list[int] = []
+    seq_lens: list[int] = []
+    tables: list[list[int]] = []
+    for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+        start = seq.num_computed_tokens
+        end = start + n
+        input_ids.extend(seq.token_ids[start:end])
+        positions.extend(range(start, end))
+        table = seq.block_table
+        slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
+        if end == seq.num_tokens:  # the chunk reaches the last token: its logits give the next one
+            logits_rows.append(len(input_ids) - 1)
+        query_lens.append(n)
+        seq_lens.append(end)
+        tables.append(table)
+
+    def t(x: list[int]) -> torch.Tensor:
+        return torch.tensor(x, dtype=torch.long, device=device)
+
+    return ForwardBatch(
+        input_ids=t(input_ids),
+        positions=t(positions),
+        slot_mapping=t(slots),
+        attention=PagedAttentionMetadata.build(query_lens, seq_lens, tables, device),
+        logits_indices=t(logits_rows),
+    )
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+        self.model = model
+        self.kv = kv_cache
+        self._rngs: dict[str, RequestRng] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._rngs.pop(request_id, None)
+
+    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+        """Run one step; returns the sampled token of every sequence whose chunk reached its end."""
+        fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
+        logits = self.model.forward(fb, self.kv.k, self.kv.v)
+        sampled_seqs = [
+            s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if s.num_computed_tokens + n == s.num_tokens
+        ]
+        if not sampled_seqs:
+            return {}
+        params = [s.sampling for s in sampled_seqs]
+        rngs: list[RequestRng | None] = []
+        for s in sampled_seqs:
+            if s.sampling.greedy:
+                rngs.append(None)
+            else:
+                rng = self._rngs.get(s.request_id)
+                if rng is None:
+                    rng = self._rngs[s.request_id] = RequestRng(s.sampling.seed)
+                rngs.append(rng)
+        tokens = sample(logits, params, rngs)
+        return {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}

@@ -1,0 +1,57 @@
+"""Turns next-token logits into tokens: greedy, or temperature with top-k/top-p, per request.
+
+Each sampled request draws from its own generator, seeded from the request's seed when it has one,
+so the same seed gives the same text whatever else shares the batch.
+"""
+
+from __future__ import annotations
+
+import secrets
+
+import torch
+
+from worker.request import SamplingParams
+
+
+class RequestRng:
+    """A per-request random stream (CPU generator: identical draws on every device)."""
+
+    def __init__(self, seed: int | None) -> None:
+        self.generator = torch.Generator(device="cpu")
+        self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+
+
+def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+    logits = logits.float().cpu() / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, params.top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly ahead of each token
+        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=rng.generator).item())
+
+
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    rngs: list[RequestRng | None],
+) -> list[int]:
+    """One token per row of ``logits [n, vocab]``."""
+    greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+    out = [0] * len(params)
+    if greedy_rows:
+        ids = logits[greedy_rows].argmax(dim=-1).tolist() if len(greedy_rows) < len(params) else (
+            logits.argmax(dim=-1).tolist()
+        )
+        for i, t in zip(greedy_rows, ids, strict=True):
+            out[i] = t
+    for i, p in enumerate(params):
+        if not p.greedy:
+            rng = rngs[i]
+            assert rng is not None, "a sampled request needs its RequestRng"
+            out[i] = _sample_one(logits[i], p, rng)
+    return out

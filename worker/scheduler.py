@@ -1,0 +1,247 @@
+"""Iteration-level scheduler: decides, every step, which sequences run and how many tokens each.
+
+Order of service: priority classes strictly (interactive, standard, batch); inside a class the tenant
+with the least weighted service first (fair_share.py), FCFS inside a tenant. Within a class, running
+sequences are served before new admissions. Prompts are split into chunks that fit the step's token
+budget, so a long prompt never stalls the decodes of others.
+
+When a running sequence needs a block and none is free, the most preemptable sequence (lowest class,
+then furthest over its fair share, then latest arrival) is preempted: its blocks are freed now and
+its tokens recomputed later (cheaply, if its blocks survive in the prefix cache). A waiting request
+may preempt only strictly lower classes. Nothing is ever dropped.
+
+The static mode admits a cohort only when nothing is running and never backfills: the request-level
+batching that continuous batching is measured against.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import deque
+from dataclasses import dataclass, field
+
+from worker.block_manager import BlockManager
+from worker.fair_share import FairShare
+from worker.request import FinishReason, Priority
+from worker.sequence import Sequence, SequenceStatus
+
+
+class SchedulingMode(enum.StrEnum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    mode: SchedulingMode = SchedulingMode.CONTINUOUS
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+
+
+@dataclass
+class ScheduledBatch:
+    """The work of one step: ``num_tokens[i]`` new tokens of ``seqs[i]`` (in this order in the batch)."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+    def __bool__(self) -> bool:
+        return bool(self.seqs)
+
+
+@dataclass
+class _Step:
+    budget: int
+    scheduled: dict[Sequence, int] = field(default_factory=dict)  # insertion-ordered
+    preempted: list[Sequence] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.fair = FairShare()
+        self.waiting: dict[Priority, dict[str, deque[Sequence]]] = {p: {} for p in Priority}
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+        self._by_id: dict[str, Sequence] = {}
+
+    # ---- queue management ----------------------------------------------------------------------
+
+    def add(self, seq: Sequence) -> None:
+        if seq.request_id in self._by_id:
+            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+        self._by_id[seq.request_id] = seq
+        self.fair.activate(seq.priority, seq.tenant)
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        seq.status = SequenceStatus.WAITING
+        queue = self.waiting[seq.priority].setdefault(seq.tenant, deque())
+        # FCFS by arrival: a preempted sequence returns ahead of those that arrived after it.
+        i = len(queue)
+        while i > 0 and queue[i - 1].arrival > seq.arrival:
+            i -= 1
+        queue.insert(i, seq)
+
+    def _dequeue(self, seq: Sequence) -> None:
+        queues = self.waiting[seq.priority]
+        queue = queues[seq.tenant]
+        queue.remove(seq)
+        if not queue:
+            del queues[seq.tenant]
+
+    def get(self, request_id: str) -> Sequence | None:
+        return self._by_id.get(request_id)
+
+    def finish(self, seq: Sequence, reason: FinishReason) -> None:
+        """Retire ``seq`` (finished or aborted) and free its blocks at once."""
+        if seq.status is SequenceStatus.FINISHED:
+            return
+        if seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+        else:
+            self._dequeue(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        self.fair.deactivate(seq.priority, seq.tenant)
+        del self._by_id[seq.request_id]
+
+    def has_work(self) -> bool:
+        return bool(self._by_id)
+
+    def num_waiting(self, priority: Priority | None = None) -> int:
+        classes = [priority] if priority is not None else list(Priority)
+        return sum(len(q) for p in classes for q in self.waiting[p].values())
+
+    def num_running(self, priority: Priority | None = None) -> int:
+        return sum(1 for s in self.running if priority is None or s.priority == priority)
+
+    # ---- the step ------------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledBatch:
+        step = _Step(budget=self.config.max_num_batched_tokens)
+        static = self.config.mode is SchedulingMode.STATIC
+        if static and not self.running:
+            self._admit_cohort()
+        admission_open = not static
+        for prio in Priority:
+            for seq in sorted(
+                (s for s in self.running if s.priority == prio),
+                key=lambda s: (self.fair.counter(s.priority, s.tenant), s.arrival),
+            ):
+                if step.budget == 0:
+                    break
+                if seq.status is SequenceStatus.RUNNING and seq not in step.scheduled:
+                    self._schedule_running(seq, step)
+            while admission_open and step.budget > 0:
+                seq = self._next_waiting(prio)
+                if seq is None:
+                    break
+                if not self._admit(seq, step):
+                    admission_open = False  # strict classes: nothing lower may take what this one needs
+        return ScheduledBatch(
+            seqs=list(step.scheduled), num_tokens=list(step.scheduled.values()), preempted=step.preempted
+        )
+
+    def _next_waiting(self, prio: Priority) -> Sequence | None:
+        queues = self.waiting[prio]
+        if not queues:
+            return None
+        tenant = min(queues, key=lambda t: (self.fair.counter(prio, t), queues[t][0].arrival))
+        return queues[tenant][0]
+
+    def _prefix(self, seq: Sequence) -> list[int] | None:
+        """Prefix-cache hits for a sequence about to get its first blocks; None once it has some."""
+        if seq.block_table or seq.num_computed_tokens:
+            return None
+        return self.bm.match_prefix(seq)
+
+    def _chunk(self, seq: Sequence, prefix: list[int] | None, budget: int) -> int:
+        computed = seq.num_computed_tokens + len(prefix or ()) * self.bm.block_size
+        return min(seq.num_tokens - computed, budget)
+
+    def _take(self, seq: Sequence, n: int, prefix: list[int] | None, step: _Step) -> None:
+        first = prefix is not None and seq.num_preemptions == 0
+        self.bm.allocate(seq, n, prefix)
+        if first:
+            seq.num_cached_prompt_tokens = len(prefix) * self.bm.block_size
+        step.scheduled[seq] = n
+        step.budget -= n
+        self.fair.charge(seq.priority, seq.tenant, seq.weight, n)
+
+    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+        prefix = self._prefix(seq)
+        n = self._chunk(seq, prefix, step.budget)
+        while not self.bm.can_allocate(seq, n, prefix):
+            others = [s for s in self.running if s is not seq]
+            victim = max(others, key=self._preempt_key, default=None)
+            if victim is None or self._preempt_key(victim) < self._preempt_key(seq):
+                self._preempt(seq, step)
+                return
+            self._preempt(victim, step)
+            prefix = self._prefix(seq)
+            n = self._chunk(seq, prefix, step.budget)
+        self._take(seq, n, prefix, step)
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool:
+        """Move the head of a waiting queue into the batch, preempting lower classes if they block it."""
+        while True:
+            prefix = self._prefix(seq)
+            n = self._chunk(seq, prefix, step.budget)
+            fits_slot = len(self.running) < self.config.max_num_seqs
+            if fits_slot and self.bm.can_allocate(seq, n, prefix):
+                break
+            lower = [s for s in self.running if s.priority > seq.priority]
+            victim = max(lower, key=self._preempt_key, default=None)
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        self._dequeue(seq)
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        self._take(seq, n, prefix, step)
+        return True
+
+    def _admit_cohort(self) -> None:
+        """Static mode: fill the batch from the queues, with the blocks of every member's prompt free."""
+        room = self.bm.num_free_blocks
+        for prio in Priority:
+            while len(self.running) < self.config.max_num_seqs:
+                seq = self._next_waiting(prio)
+                if seq is None:
+                    break
+                need = -(-seq.num_tokens // self.bm.block_size)
+                if need > room and self.running:
+                    return
+                room -= need
+                self._dequeue(seq)
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(seq)
+
+    def _preempt_key(self, seq: Sequence) -> tuple[int, float, int]:
+        return (int(seq.priority), self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        """Free ``seq``'s blocks now; it waits again and recomputes its tokens when readmitted."""
+        n = step.scheduled.pop(seq, 0)
+        if n:
+            step.budget += n
+            self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        step.preempted.append(seq)
+        self._enqueue(seq)

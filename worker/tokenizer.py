@@ -1,0 +1,180 @@
+"""Tokenizer and chat template, from the same checkpoint as the weights."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers import decoders, models, pre_tokenizers
+
+
+class TemplateError(ValueError):
+    """The chat template refused the conversation (for example, roles out of order)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise TemplateError(message)
+
+
+@dataclass
+class Tokenizer:
+    """Encode/decode plus the chat template; ``eos_token_ids`` end a completion."""
+
+    backend: HFTokenizer
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None = None
+    add_bos_token: bool = False
+    chat_template: str | None = None
+    special_tokens: dict[str, str] = field(default_factory=dict)
+    _template: jinja2.Template | None = field(default=None, init=False, repr=False)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = self.backend.encode(text, add_special_tokens=False).ids
+        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
+            if not ids or ids[0] != self.bos_token_id:
+                ids = [self.bos_token_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        """Render ``messages`` (role + content) to the prompt text the model was trained on."""
+        if not self.chat_template:
+            raise TemplateError("this model has no chat template; send a raw prompt instead")
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+                trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+            )
+            env.globals["raise_exception"] = _raise_exception
+            self._template = env.from_string(self.chat_template)
+        try:
+            return self._template.render(
+                messages=messages, add_generation_prompt=add_generation_prompt, **self.special_tokens
+            )
+        except jinja2.TemplateError as exc:
+            raise TemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # Templates write BOS themselves where the model wants it.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    # ---- builders -------------------------------------------------------------------------------
+
+    @classmethod
+    def from_hf_dir(cls, path: Path, eos_token_ids: Sequence[int] = ()) -> Tokenizer:
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"{tok_file} is missing (Loom reads fast-tokenizer files only)")
+        backend = HFTokenizer.from_file(str(tok_file))
+        cfg: dict[str, Any] = {}
+        cfg_file = path / "tokenizer_config.json"
+        if cfg_file.is_file():
+            cfg = json.loads(cfg_file.read_text())
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: take the default one
+            template = next((t["template"] for t in template if t.get("name") == "default"), None)
+        tmpl_file = path / "chat_template.jinja"
+        if template is None and tmpl_file.is_file():
+            template = tmpl_file.read_text()
+
+        def token_text(key: str) -> str | None:
+            value = cfg.get(key)
+            return value.get("content") if isinstance(value, dict) else value
+
+        specials = {k: v for k in ("bos_token", "eos_token") if (v := token_text(k)) is not None}
+        eos_ids = list(eos_token_ids)
+        if "eos_token" in specials:
+            eos_id = backend.token_to_id(specials["eos_token"])
+            if eos_id is not None and eos_id not in eos_ids:
+                eos_ids.append(eos_id)
+        bos_id = backend.token_to_id(specials["bos_token"]) if "bos_token" in specials else None
+        return cls(
+            backend=backend,
+            eos_token_ids=tuple(eos_ids),
+            bos_token_id=bos_id,
+            add_bos_token=bool(cfg.get("add_bos_token", False)),
+            chat_template=template,
+            special_tokens=specials,
+        )
+
+    @classmethod
+    def from_gguf_fields(cls, fields: dict[str, Any]) -> Tokenizer:
+        """Rebuild a byte-level BPE tokenizer from GGUF ``tokenizer.ggml.*`` metadata."""
+        kind = fields.get("tokenizer.ggml.model")
+        if kind != "gpt2":
+            raise ValueError(
+                f"GGUF tokenizer model {kind!r} is not supported (only byte-level BPE, 'gpt2'); "
+                "load this model from its Hugging Face directory instead"
+            )
+        pre = fields.get("tokenizer.ggml.pre", "default")
+        tokens: list[str] = fields["tokenizer.ggml.tokens"]
+        types: list[int] = fields.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges = [tuple(m.split(" ", 1)) for m in fields["tokenizer.ggml.merges"]]
+        vocab = {t: i for i, t in enumerate(tokens)}
+        backend = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
+        backend.pre_tokenizer = _gguf_pre_tokenizer(pre)
+        backend.decoder = decoders.ByteLevel()
+        # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
+        from tokenizers import AddedToken
+
+        specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+        backend.add_special_tokens(specials)
+
+        bos = fields.get("tokenizer.ggml.bos_token_id")
+        eos = fields.get("tokenizer.ggml.eos_token_id")
+        eot = fields.get("tokenizer.ggml.eot_token_id")
+        eos_ids = tuple(dict.fromkeys(i for i in (eos, eot) if i is not None))
+        special_text = {}
+        if bos is not None:
+            special_text["bos_token"] = tokens[bos]
+        if eos is not None:
+            special_text["eos_token"] = tokens[eos]
+        return cls(
+            backend=backend,
+            eos_token_ids=eos_ids,
+            bos_token_id=bos,
+            add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
+            chat_template=fields.get("tokenizer.chat_template"),
+            special_tokens=special_text,
+        )
+
+
+# Pre-tokenizer splits of llama.cpp's named "pre" types that Loom reproduces.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _gguf_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm", "starcoder", "refact"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    split = {"llama-bpe": _LLAMA3_SPLIT, "llama3": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT}.get(pre)
+    if split is None:
+        raise ValueError(f"GGUF tokenizer pre-type {pre!r} is not supported; load the Hugging Face directory")
+    from tokenizers import Regex
+
+    return pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(split), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
