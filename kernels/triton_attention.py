@@ -51,10 +51,7 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     hi = num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
-        if BLOCK_Q == 1:
-            first = tl.load(qsl_ptr + mid)
-        else:
-            first = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+        first = tl.load(qsl_ptr + mid) if BLOCK_Q == 1 else tl.load(qsl_ptr + mid) // BLOCK_Q + mid
         if first <= tile:
             lo = mid + 1
         else:
@@ -104,10 +101,7 @@ def _paged_attention_kernel(
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
     ctx_len = seq_len - q_len
-    if BLOCK_Q == 1:
-        first_tile = q_start
-    else:
-        first_tile = q_start // BLOCK_Q + seq
+    first_tile = q_start if BLOCK_Q == 1 else q_start // BLOCK_Q + seq
     tile_q0 = (tile_id - first_tile) * BLOCK_Q
 
     rows = tl.arange(0, BLOCK_M)
@@ -152,10 +146,7 @@ def _paged_attention_kernel(
             k_cache_ptr + kv_off[None, :] + d[:, None], mask=n_ok[None, :] & d_ok[:, None], other=0.0
         )
         v = tl.load(v_cache_ptr + kv_off[:, None] + d[None, :], mask=n_ok[:, None] & d_ok[None, :], other=0.0)
-        if NATIVE_DOT:
-            s = tl.dot(q, k_t)
-        else:
-            s = tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
+        s = tl.dot(q, k_t) if NATIVE_DOT else tl.dot(q, k_t.to(tl.float32), input_precision="ieee")
         visible = n_ok[None, :] & (pos[None, :] <= q_pos[:, None])
         s = tl.where(visible, s * qk_scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
@@ -212,7 +203,11 @@ def _merge_splits_kernel(
     )
     parts = tl.where((w > 0.0)[:, None], parts, 0.0)
     o = tl.sum(parts * w[:, None], axis=0) / tl.sum(w, axis=0)
-    tl.store(out_ptr + t * stride_ot + h * stride_oh + d, cast_to(o, out_ptr.dtype.element_ty, INTERPRET), mask=d_ok)
+    tl.store(
+        out_ptr + t * stride_ot + h * stride_oh + d,
+        cast_to(o, out_ptr.dtype.element_ty, INTERPRET),
+        mask=d_ok,
+    )
 
 
 def _tile_config(max_query_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
@@ -281,7 +276,9 @@ def paged_attention_triton(
     native = on_gpu and q.dtype == k_cache.dtype and q.dtype in (torch.float16, torch.bfloat16)
     interp = interpreting()
     if num_splits > 1:
-        part_out = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+        part_out = torch.empty(
+            (num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device
+        )
         part_lse = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device)
     else:
         part_out = part_lse = out  # never touched by the single-pass specialization

@@ -45,7 +45,9 @@ def _rms_norm_kernel(
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / hidden + eps)
     normed = cast_to(x * rstd, in_dtype, INTERPRET).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, cast_to(normed * w, out_ptr.dtype.element_ty, INTERPRET), mask=ok)
+    tl.store(
+        out_ptr + row * stride_out + cols, cast_to(normed * w, out_ptr.dtype.element_ty, INTERPRET), mask=ok
+    )
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
