@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from triton_test_utils import DEVICE, poisoned, randn, rel_err, tol
+from triton_test_utils import DEVICE, poisoned, rel_err, tol
 
 from kernels import PagedAttentionMetadata, force_triton, paged_attention
 from kernels.attention import choose_num_kv_splits, paged_attention_ref

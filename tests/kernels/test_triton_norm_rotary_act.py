@@ -16,7 +16,6 @@ from kernels.rmsnorm import rms_norm_ref
 from kernels.rotary import apply_rotary_ref
 from kernels.triton_activation import silu_and_mul_triton
 from kernels.triton_rmsnorm import rms_norm_triton
-from kernels.triton_rotary import apply_rotary_triton
 
 
 def rms_norm_f64(x, weight, eps, residual=None):

@@ -8,7 +8,9 @@ import torch
 
 # On a CUDA machine without the interpreter the tests drive the compiled kernels on the GPU;
 # otherwise CPU tensors go through the interpreter (conftest sets TRITON_INTERPRET=1).
-DEVICE = "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+DEVICE = (
+    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
+)
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
