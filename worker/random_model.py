@@ -1,0 +1,95 @@
+"""Random-weight checkpoints of any Llama-family shape, for tests and scheduler benchmarks.
+
+The tokenizer is byte-level with no merges (one token per byte, plus an end-of-sequence token), so
+any text round-trips and the vocabulary stays tiny.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as HFTokenizer
+
+from worker.checkpoint import Checkpoint
+from worker.model_config import ModelConfig
+from worker.tokenizer import Tokenizer
+
+BYTE_VOCAB = 256
+EOS_TEXT = "<eos>"
+
+
+def byte_tokenizer() -> Tokenizer:
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    backend = HFTokenizer(models.BPE(vocab=vocab, merges=[]))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    backend.decoder = decoders.ByteLevel()
+    backend.add_special_tokens([AddedToken(EOS_TEXT, special=True, normalized=False)])
+    eos = backend.token_to_id(EOS_TEXT)
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    return Tokenizer(backend=backend, eos_token_ids=(eos,), chat_template=template,
+                     special_tokens={"eos_token": EOS_TEXT})
+
+
+def tiny_config(**overrides: object) -> ModelConfig:
+    base: dict[str, object] = dict(
+        model_type="llama",
+        vocab_size=BYTE_VOCAB + 1,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+        eos_token_ids=(BYTE_VOCAB,),
+    )
+    base.update(overrides)
+    return ModelConfig(**base)  # type: ignore[arg-type]
+
+
+def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Weights scaled so activations stay O(1) through the layers (logits then vary by token)."""
+    g = torch.Generator().manual_seed(seed)
+
+    def mat(out_f: int, in_f: int) -> torch.Tensor:
+        return torch.randn(out_f, in_f, generator=g) / in_f**0.5
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.1 * torch.randn(n, generator=g)
+
+    c = config
+    w: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(c.vocab_size, c.hidden_size, generator=g),
+        "model.norm.weight": norm(c.hidden_size),
+    }
+    if not c.tie_word_embeddings:
+        w["lm_head.weight"] = mat(c.vocab_size, c.hidden_size) * 4.0
+    for i in range(c.num_layers):
+        p = f"model.layers.{i}."
+        w[p + "input_layernorm.weight"] = norm(c.hidden_size)
+        w[p + "post_attention_layernorm.weight"] = norm(c.hidden_size)
+        w[p + "self_attn.q_proj.weight"] = mat(c.q_size, c.hidden_size)
+        w[p + "self_attn.k_proj.weight"] = mat(c.kv_size, c.hidden_size)
+        w[p + "self_attn.v_proj.weight"] = mat(c.kv_size, c.hidden_size)
+        w[p + "self_attn.o_proj.weight"] = mat(c.hidden_size, c.q_size)
+        w[p + "mlp.gate_proj.weight"] = mat(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.up_proj.weight"] = mat(c.intermediate_size, c.hidden_size)
+        w[p + "mlp.down_proj.weight"] = mat(c.hidden_size, c.intermediate_size)
+        if c.attention_bias:
+            for n, size in (("q", c.q_size), ("k", c.kv_size), ("v", c.kv_size)):
+                w[p + f"self_attn.{n}_proj.bias"] = 0.1 * torch.randn(size, generator=g)
+    return w
+
+
+def random_checkpoint(config: ModelConfig | None = None, seed: int = 0, name: str = "tiny-random") -> Checkpoint:
+    config = config or tiny_config()
+    return Checkpoint(name, Path("<random>"), config, random_weights(config, seed), byte_tokenizer())
