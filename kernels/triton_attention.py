@@ -22,8 +22,9 @@ Split-KV
 With ``num_splits > 1`` the keys visible to a tile are cut into ``num_splits`` equal ranges (per
 sequence, rounded up to ``BLOCK_N``); each program writes a normalized partial output and its
 log-sum-exp (base 2; ``-inf`` for rows that saw no key), and a second kernel merges the splits per
-(token, head). This feeds the GPU when a decode batch has too few (sequence, kv head) pairs to
-fill it; :func:`kernels.attention.choose_num_kv_splits` decides.
+(token, head). The split count is a runtime argument, so a new count does not compile anew.
+This feeds the GPU when a decode batch has too few (sequence, kv head) pairs to fill it;
+:func:`kernels.attention.choose_num_kv_splits` decides.
 
 Precision: under the interpreter (and for fp32 caches) the dots run in fp32 (IEEE, not TF32); on
 a GPU with fp16/bf16 caches they run on tensor cores in the cache dtype with fp32 accumulation,
@@ -41,14 +42,14 @@ import triton.language as tl
 from kernels.attention import PagedAttentionMetadata, choose_num_kv_splits
 from kernels.triton_common import cast_to, interpreting, next_pow2, num_programs_hint
 
-_NEG_BIG = -1.0e30  # running-max seed: finite, so fully masked tiles never compute inf - inf
+_NEG_BIG = tl.constexpr(-1.0e30)  # running-max seed: finite, so fully masked tiles never compute inf - inf
 
 
 @triton.jit
 def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     """Largest ``s`` whose first tile index is <= ``tile`` (see the module docstring)."""
-    lo = 0
-    hi = num_seqs
+    lo = tile * 0  # int32 tensors from the start: a loop-carried value must keep its type
+    hi = lo + num_seqs
     while lo < hi:
         mid = (lo + hi) // 2
         first = tl.load(qsl_ptr + mid) if BLOCK_Q == 1 else tl.load(qsl_ptr + mid) // BLOCK_Q + mid
@@ -81,6 +82,7 @@ def _paged_attention_kernel(
     stride_ch,
     stride_bt,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_P: tl.constexpr,
     GROUP: tl.constexpr,
@@ -88,7 +90,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
+    SPLIT_KV: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
@@ -112,13 +114,13 @@ def _paged_attention_kernel(
 
     # Keys this tile may see: up to its last token's position; nothing for an idle tile.
     kv_limit = tl.where(tile_q0 < q_len, tl.minimum(seq_len, ctx_len + tile_q0 + BLOCK_Q), 0)
-    if NUM_SPLITS == 1:
-        lo = 0
-        hi = kv_limit
-    else:
-        split_len = tl.cdiv(tl.cdiv(kv_limit, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    if SPLIT_KV:
+        split_len = tl.cdiv(tl.cdiv(kv_limit, num_splits), BLOCK_N) * BLOCK_N
         lo = split * split_len
         hi = tl.minimum(lo + split_len, kv_limit)
+    else:
+        lo = 0
+        hi = kv_limit
 
     d = tl.arange(0, HEAD_P)
     d_ok = d < HEAD_DIM
@@ -162,15 +164,15 @@ def _paged_attention_kernel(
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     store_ok = row_ok[:, None] & d_ok[None, :]
-    if NUM_SPLITS == 1:
-        dst = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
-        tl.store(dst, cast_to(o, out_ptr.dtype.element_ty, INTERPRET), mask=store_ok)
-    else:
-        # Partials are contiguous [num_tokens, num_heads, NUM_SPLITS, HEAD_DIM] fp32.
-        lse_idx = (q_rows * num_heads + head) * NUM_SPLITS + split
+    if SPLIT_KV:
+        # Partials are contiguous [num_tokens, num_heads, num_splits, HEAD_DIM] fp32.
+        lse_idx = (q_rows * num_heads + head) * num_splits + split
         tl.store(part_out_ptr + lse_idx[:, None] * HEAD_DIM + d[None, :], o, mask=store_ok)
         lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
         tl.store(part_lse_ptr + lse_idx, lse, mask=row_ok)
+    else:
+        dst = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
+        tl.store(dst, cast_to(o, out_ptr.dtype.element_ty, INTERPRET), mask=store_ok)
 
 
 @triton.jit
@@ -181,17 +183,17 @@ def _merge_splits_kernel(
     stride_ot,
     stride_oh,
     num_heads,
+    num_splits,
     HEAD_DIM: tl.constexpr,
     HEAD_P: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
     INTERPRET: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    base = (t * num_heads + h) * NUM_SPLITS
+    base = (t * num_heads + h) * num_splits
     sp = tl.arange(0, SPLITS_P)
-    sp_ok = sp < NUM_SPLITS
+    sp_ok = sp < num_splits
     lse = tl.load(part_lse_ptr + base + sp, mask=sp_ok, other=float("-inf"))
     w = tl.exp2(lse - tl.max(lse, axis=0))  # split 0 always saw key 0, so the max is finite
     d = tl.arange(0, HEAD_P)
@@ -210,17 +212,26 @@ def _merge_splits_kernel(
     )
 
 
+def _gpu_tuned(q: torch.Tensor) -> bool:
+    """Whether to pick GPU tile shapes and tensor-core dots (the compile check patches this)."""
+    return q.is_cuda and not interpreting()
+
+
 def _tile_config(max_query_len: int, group: int, head_dim: int, on_gpu: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a batch; decode-only batches get one token per tile."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for a batch; decode-only batches get one token per tile.
+
+    Decode is a stream over K/V: small row tiles (the GQA group padded to the 16 rows a dot needs)
+    and several stages of 64-key tiles in flight. Prefill is compute-bound: 64/128-row tiles. Off
+    the GPU (interpreter) small tiles keep the per-op cost low and exercise more loop iterations.
+    """
     rows_min = max(16, next_pow2(group))
     if max_query_len <= 1:
-        block_m = rows_min
-        block_n = 64 if on_gpu else 16
-        return block_m, block_n, 4, 3
+        if not on_gpu:
+            return rows_min, 16, 4, 1
+        return rows_min, 64, 4, 3 if head_dim <= 64 else 2
     if not on_gpu:
         return max(32, rows_min), 16, 4, 1
-    block_m = 128 if max_query_len * group >= 128 and head_dim <= 128 else 64
-    block_m = max(block_m, rows_min)
+    block_m = max(128 if max_query_len * group >= 128 else 64, rows_min)
     return block_m, 64, 8 if block_m >= 128 else 4, 2
 
 
@@ -235,11 +246,14 @@ def paged_attention_triton(
     num_splits: int | None = None,
     block_m: int | None = None,
     block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
     """Same contract as :func:`kernels.attention.paged_attention_ref`.
 
     ``num_splits`` (else ``meta.kv_splits``, else the heuristic) picks single-pass (1) or split-KV;
-    ``block_m``/``block_n`` override the tile shape (tests use them to cover tiling edge cases).
+    ``block_m``/``block_n``/``num_warps``/``num_stages`` override the launch configuration (tests
+    use them to cover tiling edge cases, the benchmark to sweep configurations).
     """
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -256,10 +270,10 @@ def paged_attention_triton(
     if num_tokens == 0 or num_seqs == 0:
         return out
 
-    on_gpu = q.is_cuda and not interpreting()
-    bm, bn, num_warps, num_stages = _tile_config(meta.max_query_len, group, head_dim, on_gpu)
-    bm = block_m or bm
-    bn = block_n or bn
+    on_gpu = _gpu_tuned(q)
+    bm, bn, warps, stages = _tile_config(meta.max_query_len, group, head_dim, on_gpu)
+    bm, bn = block_m or bm, block_n or bn
+    warps, stages = num_warps or warps, num_stages or stages
     block_q = 1 if meta.max_query_len <= 1 else bm // group
     if bm < max(group, 16) or bn < 16:
         raise ValueError(f"tile {bm}x{bn} too small for {group} heads per kv head (dots need >= 16)")
@@ -303,6 +317,7 @@ def paged_attention_triton(
         k_cache.stride(2),
         meta.block_tables.stride(0),
         num_heads,
+        num_splits,
         HEAD_DIM=head_dim,
         HEAD_P=next_pow2(head_dim),
         GROUP=group,
@@ -310,11 +325,11 @@ def paged_attention_triton(
         BLOCK_M=bm,
         BLOCK_Q=block_q,
         BLOCK_N=bn,
-        NUM_SPLITS=num_splits,
+        SPLIT_KV=num_splits > 1,
         NATIVE_DOT=native,
         INTERPRET=interp,
-        num_warps=num_warps,
-        num_stages=num_stages,
+        num_warps=warps,
+        num_stages=stages,
     )
     if num_splits > 1:
         _merge_splits_kernel[(num_tokens, num_heads)](
@@ -324,9 +339,9 @@ def paged_attention_triton(
             out.stride(0),
             out.stride(1),
             num_heads,
+            num_splits,
             HEAD_DIM=head_dim,
             HEAD_P=next_pow2(head_dim),
-            NUM_SPLITS=num_splits,
             SPLITS_P=next_pow2(num_splits),
             INTERPRET=interp,
             num_warps=4 if head_dim >= 128 else 2,
