@@ -56,7 +56,9 @@ class BlockManager:
         total = seq.num_computed_tokens + num_prefix_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
-    def can_allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> bool:
+    def can_allocate(
+        self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None
+    ) -> bool:
         prefix_blocks = prefix_blocks or []
         reviving = sum(1 for b in prefix_blocks if self._ref[b] == 0)
         need = self.blocks_needed(seq, num_new_tokens, len(prefix_blocks))

@@ -132,7 +132,9 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
     fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
     arch = fields.get("general.architecture")
     if arch not in ("llama", "qwen2", "mistral"):
-        raise UnsupportedModelError(f"unsupported GGUF architecture {arch!r}; Loom runs llama, mistral, qwen2")
+        raise UnsupportedModelError(
+            f"unsupported GGUF architecture {arch!r}; Loom runs llama, mistral, qwen2"
+        )
 
     def meta(key: str, default: object = None) -> object:
         return fields.get(f"{arch}.{key}", default)

@@ -65,7 +65,7 @@ class IncrementalDetokenizer:
         return out
 
     def flush(self) -> str:
-        """At the end of generation: whatever is still held back (an incomplete character decodes as U+FFFD)."""
+        """Release what is still held back; an incomplete final character decodes as U+FFFD."""
         if not self.stopped and self._read_offset < len(self._ids):
             prefix = self._tok.decode(self._ids[self._prefix_offset : self._read_offset])
             full = self._tok.decode(self._ids[self._prefix_offset :])

@@ -54,9 +54,13 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if device.type == "cuda" else torch.float32
         try:
-            return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[self.dtype]
+            return {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[
+                self.dtype
+            ]
         except KeyError:
-            raise ValueError(f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}") from None
+            raise ValueError(
+                f"dtype must be auto, float32, float16 or bfloat16, not {self.dtype!r}"
+            ) from None
 
 
 @dataclass
@@ -125,7 +129,8 @@ class LLMEngine:
         n = len(req.prompt_token_ids)
         if n >= self.max_model_len:
             raise InvalidRequestError(
-                "prompt", f"{n} prompt tokens leave no room in this model's context of {self.max_model_len} tokens"
+                "prompt",
+                f"{n} prompt tokens leave no room in this model's context of {self.max_model_len} tokens",
             )
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in req.prompt_token_ids):
@@ -152,6 +157,9 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
+
+    def unfinished_request_ids(self) -> list[str]:
+        return self.scheduler.request_ids()
 
     # ---- the step ------------------------------------------------------------------------------
 
@@ -198,7 +206,9 @@ class LLMEngine:
             text = stream.detok.add(token)
             if stream.detok.stopped:
                 reason = FinishReason.STOP
-        if reason is None and (seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len):
+        if reason is None and (
+            seq.num_output_tokens >= params.max_tokens or seq.num_tokens >= self.max_model_len
+        ):
             reason = FinishReason.LENGTH
         new_ids = seq.output_token_ids[stream.emitted_tokens :]
         if reason is not None:

@@ -46,5 +46,7 @@ class FairShare:
     def over_share(self, priority: Priority, tenant: str) -> float:
         """How far ahead of the least-served active tenant of its class this tenant is."""
         key = (priority, tenant)
-        floor = min((self._counter[k] for k, n in self._active.items() if n and k[0] == priority), default=0.0)
+        floor = min(
+            (self._counter[k] for k, n in self._active.items() if n and k[0] == priority), default=0.0
+        )
         return self._counter[key] - floor

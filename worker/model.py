@@ -127,8 +127,8 @@ class LlamaModel:
     def flops_per_token(self) -> int:
         """Matmul FLOPs of one token through every layer and the LM head (attention excluded)."""
         per_layer = sum(
-            2 * w.shape[0] * w.shape[1] for w in (self.layers[0].qkv, self.layers[0].o_proj,
-                                                   self.layers[0].gate_up, self.layers[0].down)
+            2 * w.shape[0] * w.shape[1]
+            for w in (self.layers[0].qkv, self.layers[0].o_proj, self.layers[0].gate_up, self.layers[0].down)
         )
         return per_layer * len(self.layers) + 2 * self.lm_head.shape[0] * self.lm_head.shape[1]
 

@@ -59,7 +59,9 @@ class ModelRunner:
         fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
         logits = self.model.forward(fb, self.kv.k, self.kv.v)
         sampled_seqs = [
-            s for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if s.num_computed_tokens + n == s.num_tokens
+            s
+            for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+            if s.num_computed_tokens + n == s.num_tokens
         ]
         if not sampled_seqs:
             return {}

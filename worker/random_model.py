@@ -32,8 +32,9 @@ def byte_tokenizer() -> Tokenizer:
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
     )
-    return Tokenizer(backend=backend, eos_token_ids=(eos,), chat_template=template,
-                     special_tokens={"eos_token": EOS_TEXT})
+    return Tokenizer(
+        backend=backend, eos_token_ids=(eos,), chat_template=template, special_tokens={"eos_token": EOS_TEXT}
+    )
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
@@ -90,6 +91,8 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
     return w
 
 
-def random_checkpoint(config: ModelConfig | None = None, seed: int = 0, name: str = "tiny-random") -> Checkpoint:
+def random_checkpoint(
+    config: ModelConfig | None = None, seed: int = 0, name: str = "tiny-random"
+) -> Checkpoint:
     config = config or tiny_config()
     return Checkpoint(name, Path("<random>"), config, random_weights(config, seed), byte_tokenizer())

@@ -44,8 +44,10 @@ def sample(
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
     out = [0] * len(params)
     if greedy_rows:
-        ids = logits[greedy_rows].argmax(dim=-1).tolist() if len(greedy_rows) < len(params) else (
-            logits.argmax(dim=-1).tolist()
+        ids = (
+            logits[greedy_rows].argmax(dim=-1).tolist()
+            if len(greedy_rows) < len(params)
+            else (logits.argmax(dim=-1).tolist())
         )
         for i, t in zip(greedy_rows, ids, strict=True):
             out[i] = t

@@ -117,6 +117,9 @@ class Scheduler:
         self.fair.deactivate(seq.priority, seq.tenant)
         del self._by_id[seq.request_id]
 
+    def request_ids(self) -> list[str]:
+        return list(self._by_id)
+
     def has_work(self) -> bool:
         return bool(self._by_id)
 

@@ -40,9 +40,9 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.backend.encode(text, add_special_tokens=False).ids
-        if add_special_tokens and self.add_bos_token and self.bos_token_id is not None:
-            if not ids or ids[0] != self.bos_token_id:
-                ids = [self.bos_token_id, *ids]
+        bos = self.bos_token_id
+        if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
+            ids = [bos, *ids]
         return ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
@@ -128,7 +128,9 @@ class Tokenizer:
         # Control (3) and user-defined (4) tokens are matched whole, never split by BPE.
         from tokenizers import AddedToken
 
-        specials = [AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (3, 4)]
+        specials = [
+            AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t in (3, 4)
+        ]
         backend.add_special_tokens(specials)
 
         bos = fields.get("tokenizer.ggml.bos_token_id")

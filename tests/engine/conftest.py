@@ -50,10 +50,14 @@ def hf_reference(smollm: Checkpoint, prompt_ids: list[list[int]]) -> list[list[i
         for ids in prompt_ids:
             x = torch.tensor([ids])
             y = model.generate(
-                x, attention_mask=torch.ones_like(x), max_new_tokens=MAX_TOKENS, do_sample=False,
-                eos_token_id=eos, pad_token_id=eos[0],
+                x,
+                attention_mask=torch.ones_like(x),
+                max_new_tokens=MAX_TOKENS,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos[0],
             )
-            outs.append(y[0, len(ids):].tolist())
+            outs.append(y[0, len(ids) :].tolist())
     return outs
 
 

@@ -16,8 +16,9 @@ def _engine(ck: Checkpoint, **kw: object) -> LLMEngine:
 
 
 def _req(i: int, ids: list[int], tenant: str = "t") -> GenerationRequest:
-    return GenerationRequest(f"r{i}", ids, SamplingParams(max_tokens=MAX_TOKENS), tenant=tenant,
-                             cache_salt=tenant.encode())
+    return GenerationRequest(
+        f"r{i}", ids, SamplingParams(max_tokens=MAX_TOKENS), tenant=tenant, cache_salt=tenant.encode()
+    )
 
 
 def _assert_all_free(engine: LLMEngine) -> None:
@@ -71,7 +72,9 @@ def test_staggered_with_small_chunks(
     _assert_all_free(engine)
 
 
-def test_prefix_cache_hits(smollm: Checkpoint, prompt_ids: list[list[int]], hf_reference: list[list[int]]) -> None:
+def test_prefix_cache_hits(
+    smollm: Checkpoint, prompt_ids: list[list[int]], hf_reference: list[list[int]]
+) -> None:
     engine = _engine(smollm, block_size=8)
     engine.run_to_completion([_req(100, prompt_ids[0])])
     first = engine.run_to_completion([_req(i, ids) for i, ids in enumerate(prompt_ids)])

@@ -102,7 +102,9 @@ def test_out_of_blocks_preempts_lowest_priority_most_over_share() -> None:
     assert hi not in preempted
     assert set(preempted) <= {lo_a, lo_b}
     # the interactive request was never held back: it finished first
-    assert sim.requests[hi].finished_step < min(sim.requests[lo_a].finished_step, sim.requests[lo_b].finished_step)
+    assert sim.requests[hi].finished_step < min(
+        sim.requests[lo_a].finished_step, sim.requests[lo_b].finished_step
+    )
     _assert_clean(sim)
 
 

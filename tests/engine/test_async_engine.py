@@ -1,0 +1,107 @@
+"""The asyncio engine API: concurrent streams, cancellation, validation, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from worker.async_engine import AsyncEngine, EngineDeadError
+from worker.checkpoint import Checkpoint
+from worker.engine import EngineConfig, LLMEngine
+from worker.request import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
+
+
+@pytest.fixture
+def engine(tiny: Checkpoint):
+    eng = AsyncEngine(LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256), tiny)).start()
+    yield eng
+    eng.shutdown()
+
+
+def _req(rid: str, n: int = 20, prompt: str = "hello") -> GenerationRequest:
+    return GenerationRequest(rid, list(prompt.encode()), SamplingParams(max_tokens=n, ignore_eos=True))
+
+
+async def _collect(engine: AsyncEngine, req: GenerationRequest) -> tuple[list[int], str, FinishReason | None]:
+    ids: list[int] = []
+    text = ""
+    reason = None
+    async for out in engine.generate(req):
+        ids += out.token_ids
+        text += out.text
+        reason = out.finish_reason
+    return ids, text, reason
+
+
+async def _until_idle(engine: AsyncEngine) -> None:
+    for _ in range(200):
+        if engine.stats().kv_blocks_used == 0 and not engine.engine.has_unfinished():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("engine never went idle")
+
+
+async def test_concurrent_streams_match_offline(engine: AsyncEngine, tiny: Checkpoint) -> None:
+    offline = LLMEngine(EngineConfig(num_blocks=128, block_size=8), tiny)
+    expected = offline.run_to_completion([_req(f"r{i}", 12 + i, f"prompt {i}") for i in range(4)])
+    results = await asyncio.gather(
+        *(_collect(engine, _req(f"r{i}", 12 + i, f"prompt {i}")) for i in range(4))
+    )
+    for i, (ids, _text, reason) in enumerate(results):
+        assert ids == expected[f"r{i}"].token_ids
+        assert reason is FinishReason.LENGTH
+    await _until_idle(engine)
+
+
+async def test_client_leaving_aborts_and_frees_blocks(engine: AsyncEngine) -> None:
+    got = 0
+    stream = engine.generate(_req("leaver", 200))
+    async for out in stream:
+        got += len(out.token_ids)
+        if got >= 3:
+            break
+    await stream.aclose()
+    await _until_idle(engine)
+    assert engine.engine.block_manager.num_used_blocks == 0
+
+
+async def test_task_cancellation_aborts(engine: AsyncEngine) -> None:
+    task = asyncio.create_task(_collect(engine, _req("cancelled", 500)))
+    while engine.stats().kv_blocks_used == 0:
+        await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await _until_idle(engine)
+
+
+async def test_invalid_request_raises_before_streaming(engine: AsyncEngine) -> None:
+    with pytest.raises(InvalidRequestError):
+        async for _ in engine.generate(GenerationRequest("bad", [65] * 300)):
+            pass
+
+
+async def test_duplicate_request_id_rejected(engine: AsyncEngine) -> None:
+    first = engine.generate(_req("dup", 100))
+    await first.__anext__()
+    with pytest.raises(InvalidRequestError):
+        async for _ in engine.generate(_req("dup", 5)):
+            pass
+    await first.aclose()
+    await _until_idle(engine)
+
+
+async def test_shutdown_fails_open_streams(tiny: Checkpoint) -> None:
+    eng = AsyncEngine(LLMEngine(EngineConfig(num_blocks=64, block_size=8), tiny)).start()
+    stream = eng.generate(_req("open", 10_000))
+    await stream.__anext__()
+    eng.shutdown()
+    last = None
+    async for out in stream:
+        last = out
+    assert last is not None and last.finish_reason is FinishReason.ERROR
+    assert last.error == "engine stopped"
+    assert eng.engine.block_manager.num_used_blocks == 0
+    with pytest.raises(EngineDeadError):
+        await eng.generate(_req("late")).__anext__()

@@ -1,0 +1,171 @@
+"""The asyncio face of the engine: add a request, iterate its deltas, abort it by id.
+
+The engine steps in one background thread (torch releases the GIL in its kernels, so the event loop
+stays responsive); requests and aborts reach it through a queue, outputs come back to each caller's
+event loop with ``call_soon_threadsafe``. A caller that stops iterating (client gone, task
+cancelled) aborts its request, so its KV blocks are freed at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from worker.engine import LLMEngine
+from worker.request import FinishReason, GenerationRequest, InvalidRequestError, RequestOutput
+from worker.stats import EngineStats
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or crashed)."""
+
+
+@dataclass
+class _Sink:
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[RequestOutput | BaseException]
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        # A closed loop (RuntimeError) means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncEngine:
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._wake = threading.Event()
+        self._sinks: dict[str, _Sink] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._stats = engine.stats()
+        self._error: BaseException | None = None
+
+    # ---- lifecycle -----------------------------------------------------------------------------
+
+    def start(self) -> AsyncEngine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="loom-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop; every unfinished request ends with an error delta."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # ---- requests ------------------------------------------------------------------------------
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        """Stream ``request``'s deltas; the last one carries ``finish_reason`` and the counts.
+
+        Raises InvalidRequestError before streaming anything if the engine cannot serve it.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        self.engine.validate(request)
+        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
+        with self._lock:
+            if request.request_id in self._sinks:
+                raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+            self._sinks[request.request_id] = sink
+        self._commands.put(("add", request))
+        self._wake.set()
+        finished = False
+        try:
+            while True:
+                item = await sink.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        """Ask the engine to stop ``request_id``; its blocks are freed before the next step."""
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> EngineStats:
+        """The snapshot taken after the latest step (cheap; never blocks on the engine)."""
+        return self._stats
+
+    # ---- the engine thread ---------------------------------------------------------------------
+
+    def _deliver(self, out: RequestOutput) -> None:
+        with self._lock:
+            sink = self._sinks.get(out.request_id)
+            if out.finished:
+                self._sinks.pop(out.request_id, None)
+        if sink is not None:
+            sink.put(out)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                req: GenerationRequest = arg  # type: ignore[assignment]
+                try:
+                    self.engine.add_request(req)
+                except Exception as exc:  # validation raced a config change, or a duplicate id
+                    with self._lock:
+                        sink = self._sinks.pop(req.request_id, None)
+                    if sink is not None:
+                        sink.put(exc)
+            elif kind == "abort":
+                out = self.engine.abort(str(arg))
+                if out is not None:
+                    self._deliver(out)
+
+    def _loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._drain_commands()
+                if not self.engine.has_unfinished():
+                    self._stats = self.engine.stats()
+                    self._wake.wait(timeout=0.5)
+                    self._wake.clear()
+                    continue
+                for out in self.engine.step():
+                    self._deliver(out)
+                self._stats = self.engine.stats()
+        except BaseException as exc:  # the loop must never die silently with callers waiting
+            log.exception("engine loop crashed")
+            self._error = exc
+        finally:
+            self._fail_all()
+
+    def _fail_all(self) -> None:
+        reason = "engine stopped" if self._error is None else f"engine crashed: {self._error}"
+        for rid in self.engine.unfinished_request_ids():
+            out = self.engine.abort(rid, FinishReason.ERROR)
+            if out is not None:
+                out.error = reason
+                self._deliver(out)
+        with self._lock:
+            sinks, self._sinks = dict(self._sinks), {}
+        for sink in sinks.values():
+            sink.put(EngineDeadError(reason))
