@@ -27,3 +27,79 @@ def make_tenant(tenant_id: str | None = None, **quota_overrides: Any) -> Tenant:
 
 def rid() -> str:
     return f"req-{uuid.uuid4().hex}"
+
+
+async def eventually(predicate: Any, *, timeout_s: float = 10.0, interval_s: float = 0.02) -> None:
+    """Poll ``predicate`` (sync or async) until it is truthy; fail after a generous ``timeout_s``.
+
+    A liveness guard for things that happen asynchronously (a pub/sub message, a lease lapse), not a
+    speed assertion: the timeout is far above the expected delay.
+    """
+    import asyncio
+    import inspect
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if inspect.isawaitable(result):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+def hammer_process(
+    settings_values: dict[str, Any],
+    scenarios: list[tuple[str, int, int, int]],
+    barrier: Any,
+    results: Any,
+) -> None:
+    """Child process body for the global-limit tests (spawned: a fresh interpreter per child).
+
+    For each scenario ``(tenant json, attempts, prompt_tokens, max_tokens)``: wait at the barrier with
+    the others, then fire the attempts (8 in flight) and report ``(granted, limit, retry_after_s)``
+    per attempt, plus the wall-clock span of the burst.
+    """
+    import asyncio
+    import os
+    import time
+
+    from tenancy.admission_redis import RedisAdmission
+    from tenancy.models import Tenant
+    from tenancy.settings import TenancySettings
+
+    async def run() -> None:
+        enforcer = RedisAdmission.from_settings(TenancySettings(**settings_values))
+        await enforcer._client.ping()  # connect before the start line
+        try:
+            for tenant_json, attempts, prompt, max_tokens in scenarios:
+                tenant = Tenant.model_validate_json(tenant_json)
+                gate = asyncio.Semaphore(8)
+
+                async def one(
+                    i: int,
+                    tenant: Tenant = tenant,
+                    gate: asyncio.Semaphore = gate,
+                    prompt: int = prompt,
+                    max_tokens: int = max_tokens,
+                ) -> tuple:
+                    async with gate:
+                        a = await enforcer.admit(tenant, f"p{os.getpid()}-{i}", prompt, max_tokens)
+                        return (
+                            a.granted,
+                            a.limit.value if a.limit else None,
+                            a.retry_after_s,
+                            a.backend.value,
+                        )
+
+                barrier.wait()
+                start = time.time()
+                outcome = await asyncio.gather(*(one(i) for i in range(attempts)))
+                results.put((tenant.id, start, time.time(), outcome))
+        finally:
+            await enforcer.close()
+
+    asyncio.run(run())
