@@ -103,3 +103,27 @@ def hammer_process(
             await enforcer.close()
 
     asyncio.run(run())
+
+
+def hold_leases_process(settings_values: dict[str, Any], tenant_json: str, count: int, ready: Any) -> None:
+    """Child process: take ``count`` leases, report their ids, then hang until killed (never finishes)."""
+    import asyncio
+    import time
+
+    from tenancy.admission_redis import RedisAdmission
+    from tenancy.models import Tenant
+    from tenancy.settings import TenancySettings
+
+    async def run() -> list[str]:
+        enforcer = RedisAdmission.from_settings(TenancySettings(**settings_values))
+        tenant = Tenant.model_validate_json(tenant_json)
+        ids = []
+        for i in range(count):
+            admission = await enforcer.admit(tenant, f"held-{i}", 1, 1)
+            assert admission.granted, admission
+            ids.append(admission.request_id)
+        return ids
+
+    ready.put(asyncio.run(run()))
+    while True:
+        time.sleep(60)
