@@ -1,0 +1,1 @@
+"""Prepared GPU benchmark of the Triton kernels (``python -m kernels.bench.run``)."""
