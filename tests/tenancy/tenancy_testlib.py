@@ -127,3 +127,25 @@ def hold_leases_process(settings_values: dict[str, Any], tenant_json: str, count
     ready.put(asyncio.run(run()))
     while True:
         time.sleep(60)
+
+
+def dump_prefix(client: Any, prefix: str) -> bytes:
+    """Every key name and value under ``prefix``, whatever its type, as one blob."""
+    out = []
+    for key in client.scan_iter(match=f"{prefix}:*"):
+        kind = client.type(key)
+        out.append(key)
+        if kind == b"string":
+            out.append(client.get(key))
+        elif kind == b"hash":
+            out.extend(b"%s=%s" % kv for kv in client.hgetall(key).items())
+        elif kind == b"zset":
+            out.extend(m for m, _ in client.zrange(key, 0, -1, withscores=True))
+        elif kind == b"set":
+            out.extend(client.smembers(key))
+        elif kind == b"stream":
+            for _, fields in client.xrange(key):
+                out.extend(b"%s=%s" % kv for kv in fields.items())
+        elif kind == b"list":
+            out.extend(client.lrange(key, 0, -1))
+    return b"\n".join(out)

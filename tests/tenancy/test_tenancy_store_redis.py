@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 import pytest
-from tenancy_testlib import TEST_SECRET, eventually
+from tenancy_testlib import TEST_SECRET, dump_prefix, eventually
 
 from tenancy.directory import TenantDirectory
 from tenancy.errors import (
@@ -215,25 +215,3 @@ async def test_no_plaintext_key_or_secret_in_redis_or_logs(store, settings, hash
     assert dump and all(n not in dump for n in needles)
     text = caplog.text + "".join(str(r.args) for r in caplog.records)
     assert all(n.decode() not in text for n in needles)
-
-
-def dump_prefix(client, prefix: str) -> bytes:
-    """Every key name and value under ``prefix``, whatever its type, as one blob."""
-    out = []
-    for key in client.scan_iter(match=f"{prefix}:*"):
-        kind = client.type(key)
-        out.append(key)
-        if kind == b"string":
-            out.append(client.get(key))
-        elif kind == b"hash":
-            out.extend(b"%s=%s" % kv for kv in client.hgetall(key).items())
-        elif kind == b"zset":
-            out.extend(m for m, _ in client.zrange(key, 0, -1, withscores=True))
-        elif kind == b"set":
-            out.extend(client.smembers(key))
-        elif kind == b"stream":
-            for _, fields in client.xrange(key):
-                out.extend(b"%s=%s" % kv for kv in fields.items())
-        elif kind == b"list":
-            out.extend(client.lrange(key, 0, -1))
-    return b"\n".join(out)
