@@ -7,6 +7,7 @@ this object; it is safe to call from one event loop, and from threads (one lock,
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 from collections import OrderedDict, defaultdict
@@ -44,6 +45,30 @@ class _TenantState:
     month: int = -1
     month_used: int = 0
     leases: dict[str, int] = field(default_factory=dict)  # request id -> expiry (us)
+    # (expiry, request id) min-heap over ``leases``; entries made stale by a renewal or a release are
+    # skipped lazily, so purging lapsed leases costs O(log n) per lease instead of a scan per call.
+    expiries: list[tuple[int, str]] = field(default_factory=list)
+
+    def add_lease(self, request_id: str, expiry: int) -> None:
+        self.leases[request_id] = expiry
+        heapq.heappush(self.expiries, (expiry, request_id))
+        if len(self.expiries) > 2 * len(self.leases) + 64:  # too many stale entries: rebuild
+            self.expiries = [(e, r) for r, e in self.leases.items()]
+            heapq.heapify(self.expiries)
+
+    def purge(self, now: int) -> None:
+        """Drop lapsed leases (expiry <= now)."""
+        heap, leases = self.expiries, self.leases
+        while heap and heap[0][0] <= now:
+            expiry, rid = heapq.heappop(heap)
+            if leases.get(rid) == expiry:
+                del leases[rid]
+
+    def earliest_expiry(self) -> int | None:
+        heap, leases = self.expiries, self.leases
+        while heap and leases.get(heap[0][1]) != heap[0][0]:
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
 
 
 @dataclass(slots=True)
@@ -191,12 +216,12 @@ class LocalAdmission:
                         limits.monthly_token_budget, st.month_used, cost, qm.next_month_start_us(now), now
                     ),
                 )
-            for rid in [r for r, exp in st.leases.items() if exp <= now]:
-                del st.leases[rid]
+            st.purge(now)
             if limits.max_concurrent is not None and len(st.leases) >= limits.max_concurrent:
                 wait = self._conc_hint_us
-                if st.leases:
-                    wait = min(wait, max(1, min(st.leases.values()) - now))
+                earliest = st.earliest_expiry()
+                if earliest is not None:
+                    wait = min(wait, max(1, earliest - now))
                 consider(Limit.CONCURRENCY, wait)
 
             if worst is not None:
@@ -211,7 +236,7 @@ class LocalAdmission:
             if tpm is not None and st.tpm is not None:
                 st.tpm.take(cost, tpm)
             expiry = now + self._lease_ttl_us
-            st.leases[request_id] = expiry
+            st.add_lease(request_id, expiry)
             record = _Record(tenant.id, cost, prompt_tokens, today, this_month, now + self._record_ttl_us)
             self._records[(tenant.id, request_id)] = record
             return self._granted(tenant, request_id, expiry, record, dup=False)
@@ -231,13 +256,12 @@ class LocalAdmission:
             reason = "ok"
             current = st.leases.get(request_id)
             if current is None or current <= now:
-                for rid in [r for r, exp in st.leases.items() if exp <= now]:
-                    del st.leases[rid]
+                st.purge(now)
                 if limits.max_concurrent is not None and len(st.leases) >= limits.max_concurrent:
                     return Renewal(False, reason="lost")
                 reason = "reacquired"
             expiry = now + self._lease_ttl_us
-            st.leases[request_id] = expiry
+            st.add_lease(request_id, expiry)
             record.expires_us = now + self._record_ttl_us
             return Renewal(True, lease_expires_at=expiry / 1e6, reason=reason)
 
@@ -385,7 +409,7 @@ class LocalAdmission:
     def _granted(
         self, tenant: Tenant, request_id: str, expiry: int, record: _Record, *, dup: bool
     ) -> Admission:
-        metrics.ADMISSIONS.labels(result="granted", limit="", backend=self._mode.value).inc()
+        metrics.admission_counter("granted", "", self._mode.value).inc()
         return Admission(
             granted=True,
             tenant_id=tenant.id,
@@ -400,7 +424,7 @@ class LocalAdmission:
     def _refused(
         self, tenant: Tenant, request_id: str, limit: Limit, retry_after_s: float | None
     ) -> Admission:
-        metrics.ADMISSIONS.labels(result="refused", limit=limit.value, backend=self._mode.value).inc()
+        metrics.admission_counter("refused", limit.value, self._mode.value).inc()
         return Admission(
             granted=False,
             tenant_id=tenant.id,

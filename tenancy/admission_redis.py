@@ -315,7 +315,7 @@ class RedisAdmission:
         day = qm.day_index(now_us)
         self._budget_seen[tenant.id] = _BudgetSeen(day, day_used, qm.month_index(day), month_used)
         if granted:
-            metrics.ADMISSIONS.labels(result="granted", limit="", backend="redis").inc()
+            metrics.admission_counter("granted", "", "redis").inc()
             return Admission(
                 granted=True,
                 tenant_id=tenant.id,
@@ -328,7 +328,7 @@ class RedisAdmission:
             )
         limit = _LIMIT_BY_NAME[tag]
         wait_us = int(reply[2])
-        metrics.ADMISSIONS.labels(result="refused", limit=limit.value, backend="redis").inc()
+        metrics.admission_counter("refused", limit.value, "redis").inc()
         return Admission(
             granted=False,
             tenant_id=tenant.id,
@@ -342,9 +342,7 @@ class RedisAdmission:
         self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int
     ) -> Admission:
         if self._failure_mode is FailureMode.FAIL_CLOSED:
-            metrics.ADMISSIONS.labels(
-                result="refused", limit=Limit.QUOTA_STORE_UNAVAILABLE.value, backend="fail_closed"
-            ).inc()
+            metrics.admission_counter("refused", Limit.QUOTA_STORE_UNAVAILABLE.value, "fail_closed").inc()
             return Admission(
                 granted=False,
                 tenant_id=tenant.id,

@@ -5,6 +5,9 @@ Names use the project's ``loom:`` prefix (vLLM style, see DESIGN.md).
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 from prometheus_client import Counter, Gauge
 
 QUOTA_MODE = Gauge(
@@ -41,3 +44,9 @@ DROPPED_FINISHES = Counter(
     "loom:tenancy_dropped_finishes",
     "Buffered finishes dropped because the buffer was full (usage lost).",
 )
+
+
+@functools.cache
+def admission_counter(result: str, limit: str, backend: str) -> Any:
+    """The labelled admissions counter, resolved once per label set (``labels()`` costs microseconds)."""
+    return ADMISSIONS.labels(result=result, limit=limit, backend=backend)
