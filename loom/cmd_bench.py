@@ -1,0 +1,13 @@
+"""``loom bench ...``: the benchmarks under loadtest/, runnable from the CLI."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="run a benchmark (results under loadtest/results/)")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    from loadtest import bench_engine
+
+    bench_engine.register(bench_sub)

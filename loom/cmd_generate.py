@@ -1,0 +1,92 @@
+"""``loom generate``: stream one completion to the terminal.
+
+``--local`` runs the engine in this process on the embedded model (or ``--model``), no server needed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from loom.settings import EngineSettings
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="stream a completion for PROMPT")
+    p.add_argument("prompt", help="the prompt text (a user message with --chat)")
+    p.add_argument(
+        "--local", action="store_true", help="run the engine in-process instead of calling a server"
+    )
+    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: embedded)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.local:
+        print("loom generate: only --local is available in this build", file=sys.stderr)
+        return 2
+    return _run_local(args)
+
+
+def _run_local(args: argparse.Namespace) -> int:
+    from worker.checkpoint import CheckpointError
+    from worker.engine import LLMEngine
+    from worker.model_config import UnsupportedModelError
+    from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
+
+    settings = EngineSettings(model_path=args.model) if args.model else EngineSettings()
+    try:
+        sampling = SamplingParams(
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            top_p=args.top_p,
+            top_k=args.top_k,
+            seed=args.seed,
+            stop=tuple(args.stop),
+        )
+        started = time.monotonic()
+        print("loading model ...", file=sys.stderr, flush=True)
+        engine = LLMEngine(settings.engine_config())
+        print(
+            f"loaded {engine.model_name} in {time.monotonic() - started:.1f} s "
+            f"({engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",
+            file=sys.stderr,
+            flush=True,
+        )
+        tok = engine.tokenizer
+        ids = (
+            tok.encode_chat([{"role": "user", "content": args.prompt}])
+            if args.chat
+            else tok.encode(args.prompt)
+        )
+        engine.add_request(GenerationRequest("cli", ids, sampling))
+    except (InvalidRequestError, CheckpointError, UnsupportedModelError, ValueError) as exc:
+        print(f"loom generate: {exc}", file=sys.stderr)
+        return 2
+
+    t0 = time.monotonic()
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            sys.stdout.write(out.text)
+            sys.stdout.flush()
+            if out.finished:
+                final = out
+    elapsed = time.monotonic() - t0
+    sys.stdout.write("\n")
+    if final is not None:
+        rate = final.completion_tokens / elapsed if elapsed > 0 else 0.0
+        print(
+            f"[{final.finish_reason}: {final.prompt_tokens} prompt + "
+            f"{final.completion_tokens} completion tokens, {rate:.1f} tokens/s]",
+            file=sys.stderr,
+        )
+    return 0
