@@ -8,7 +8,8 @@ tokens of *one* sequence times the ``GROUP`` query heads that share a KV head (G
 Tiles are numbered per sequence without a host sync: sequence ``s`` owns tiles starting at
 ``query_start_loc[s] // BLOCK_Q + s`` (an upper bound that leaves at most one idle tile per
 sequence); each program finds its sequence by binary search over ``query_start_loc``. Decode-only
-batches use ``BLOCK_Q = 1`` and one tile per token (no idle tiles).
+batches use ``BLOCK_Q = 1`` and one tile per token (no idle tiles); when every sequence has exactly
+one token (the usual decode step) tile ``t`` is sequence ``t`` and the search is skipped.
 
 Each program walks its keys in ``BLOCK_N``-token tiles. The physical address of key position
 ``p`` is ``block_tables[s, p // block_size] * block_size + p % block_size``, gathered per key, so
@@ -89,6 +90,7 @@ def _paged_attention_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,
+    ONE_TOKEN_PER_SEQ: tl.constexpr,
     BLOCK_N: tl.constexpr,
     SPLIT_KV: tl.constexpr,
     NATIVE_DOT: tl.constexpr,
@@ -98,7 +100,7 @@ def _paged_attention_kernel(
     kvh = tl.program_id(1)
     split = tl.program_id(2)
 
-    seq = _find_sequence(qsl_ptr, num_seqs, tile_id, BLOCK_Q)
+    seq = tile_id if ONE_TOKEN_PER_SEQ else _find_sequence(qsl_ptr, num_seqs, tile_id, BLOCK_Q)
     q_start = tl.load(qsl_ptr + seq)
     q_len = tl.load(qsl_ptr + seq + 1) - q_start
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -324,6 +326,7 @@ def paged_attention_triton(
         BLOCK_SIZE=block_size,
         BLOCK_M=bm,
         BLOCK_Q=block_q,
+        ONE_TOKEN_PER_SEQ=block_q == 1 and num_tokens == num_seqs,
         BLOCK_N=bn,
         SPLIT_KV=num_splits > 1,
         NATIVE_DOT=native,

@@ -163,6 +163,13 @@ def test_decode_only_batch(dtype: torch.dtype, group: int) -> None:
     check(b, num_splits=1)
 
 
+def test_decode_batch_with_idle_sequence() -> None:
+    """One token per tile, but not one per sequence: the tile -> sequence search must skip q_len 0."""
+    b = make_batch(17, [1, 0, 1, 1], [5, 9, 20, 16], 8, 2, 3, 32, torch.float32)
+    check(b, num_splits=1)
+    check(b, num_splits=2)
+
+
 @pytest.mark.parametrize("num_splits", [2, 3, 5])
 def test_split_kv_decode_matches_single_pass(num_splits: int) -> None:
     lens = [1, 9, 33, 70, 129]  # shorter than, about, and much longer than num_splits tiles
