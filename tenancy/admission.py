@@ -282,7 +282,13 @@ class ActiveLease:
             except Exception:  # a renewal failure must never kill the stream it protects
                 log.exception("lease renewal of %s failed", self.request_id)
                 continue
-            if not renewal.renewed and not self.lost:
+            if renewal.renewed or self.lost:
+                continue
+            if renewal.reason == "unavailable":
+                # The quota store is down: the lease lapses there, and is taken again on the first
+                # renewal after it comes back if a slot is free. Nothing to do but keep trying.
+                log.debug("lease of %s not renewed: quota store unavailable", self.request_id)
+            else:
                 self.lost = True
                 log.warning(
                     "lease of request %s (tenant %s) could not be renewed: %s",

@@ -262,6 +262,7 @@ class RedisAdmission:
         while True:
             await asyncio.sleep(self._probe_interval_s)
             if self._healthy and not self._pending:
+                self._prune_local_ids()
                 continue
             try:
                 async with asyncio.timeout(self._deadline_s):
@@ -274,6 +275,17 @@ class RedisAdmission:
 
     def hold(self, tenant: Tenant, admission: Admission) -> ActiveLease:
         return ActiveLease(self, tenant, admission)
+
+    def _prune_local_ids(self) -> None:
+        """Forget locally admitted requests the fallback no longer knows (never finished, expired)."""
+        if not self._local_ids:
+            return
+        waiting = {(p.tenant_id, p.request_id) for p in self._pending}
+        self._local_ids = {
+            key
+            for key in self._local_ids
+            if key in waiting or self._fallback.prompt_of(key[0], key[1]) is not None
+        }
 
     # -- admit ------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int) -> Admission:

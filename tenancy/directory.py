@@ -82,6 +82,7 @@ class TenantDirectory:
         answers PERMISSION_DENIED, which is a more useful answer for a legitimate key holder.
         """
         token = strip_bearer(token) if isinstance(token, str) else ""
+        now = now or utcnow()
         catalog = self._catalog
         key_id = parse_key_id(token)
         record = catalog.keys.get(key_id) if key_id is not None else None
@@ -90,7 +91,7 @@ class TenantDirectory:
         else:
             matches = self._hasher.verify(token, self._hasher.dummy_digest, self._hasher.secret_id)
         entry = catalog.tenants.get(record.tenant_id) if record is not None else None
-        valid = record is not None and record.is_valid_at(now or utcnow())
+        valid = record is not None and record.is_valid_at(now)
         if matches and valid and entry is not None:
             return Principal(tenant=entry.tenant, key_id=record.key_id)  # type: ignore[union-attr]
         metrics.AUTH_FAILURES.labels(reason=_reason(key_id, record, matches, valid, entry)).inc()
