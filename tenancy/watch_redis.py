@@ -213,9 +213,11 @@ class RedisTenantWatcher:
                 async with asyncio.timeout(self._retry_interval_s * 2 + 1):
                     await pubsub.subscribe(self._layout.changes_channel)
                 self._subscribed.set()
-                if not first:
-                    # Announcements made while we were not subscribed are lost: resync now.
-                    log.info("tenant change subscription restored")
+                if not first or self._last_sync_ok is None:
+                    # Announcements made while we were not subscribed are lost (and a failed initial
+                    # load has not happened at all): resync now.
+                    if not first:
+                        log.info("tenant change subscription restored")
                     with contextlib.suppress(StoreUnavailableError):
                         await self.resync(trigger="resubscribe")
                 first = False

@@ -197,3 +197,25 @@ async def test_black_hole_never_hangs(hasher):
         await watcher.stop()
         await enforcer.close()
         hole.close()
+
+
+async def test_gateway_started_while_redis_is_down_loads_config_when_it_returns(redis_server_factory, hasher):
+    server = redis_server_factory(persistent=True)
+    store = RedisTenantStore(
+        redis.Redis.from_url(server.url, socket_timeout=2), hasher, layout=RedisLayout("loomfault")
+    )
+    store.create_tenant(Tenant(id="acme"), actor="test")
+    key = store.create_key("acme", actor="test").plaintext.get_secret_value()
+    store.close()
+    server.stop()
+    directory = TenantDirectory(hasher)
+    watcher = RedisTenantWatcher.from_settings(fault_settings(server.url), directory)
+    try:
+        async with asyncio.timeout(HANG_GUARD_S):
+            await watcher.start()  # does not hang, does not fail: serves what it has (nothing yet)
+        assert len(directory) == 0
+        server.start()
+        await eventually(lambda: directory.get("acme") is not None, timeout_s=HANG_GUARD_S)
+        assert directory.authenticate(key).tenant_id == "acme"
+    finally:
+        await watcher.stop()
