@@ -25,11 +25,11 @@ class PagedAttentionMetadata:
     block_tables: torch.Tensor  # int32 [num_seqs, max_blocks], on the compute device
     max_query_len: int
     max_seq_len: int
-    # Triton split-KV override: None lets choose_num_kv_splits decide, 1 forces the single pass.
-    kv_splits: int | None = None
     # Host copies, so the CPU reference can plan without a device sync per layer.
     query_start_loc_host: list[int] = field(default_factory=list)
     seq_lens_host: list[int] = field(default_factory=list)
+    # Triton split-KV override: None lets choose_num_kv_splits decide, 1 forces the single pass.
+    kv_splits: int | None = None
     _plan: _ReferencePlan | None = field(default=None, repr=False)
 
     @classmethod

@@ -4,7 +4,8 @@ Work decomposition
 ------------------
 Grid ``(query tiles, kv heads, kv splits)``. A query tile is up to ``BLOCK_Q`` consecutive new
 tokens of *one* sequence times the ``GROUP`` query heads that share a KV head (GQA), flattened into
-``BLOCK_M = BLOCK_Q * GROUP`` (padded) rows, so every K/V tile is loaded once for the whole group.
+``BLOCK_M`` rows (``BLOCK_Q = BLOCK_M // GROUP``; leftover rows idle), so every K/V tile is loaded
+once for the whole group and GQA ratios that are not powers of two (3) waste at most a few rows.
 Tiles are numbered per sequence without a host sync: sequence ``s`` owns tiles starting at
 ``query_start_loc[s] // BLOCK_Q + s`` (an upper bound that leaves at most one idle tile per
 sequence); each program finds its sequence by binary search over ``query_start_loc``. Decode-only
@@ -268,6 +269,8 @@ def paged_attention_triton(
         q = q.contiguous()
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError(f"out must be {tuple(q.shape)} with a contiguous head_dim")
     num_seqs = meta.seq_lens.shape[0]
     if num_tokens == 0 or num_seqs == 0:
         return out
