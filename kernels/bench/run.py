@@ -673,10 +673,10 @@ def main(argv: list[str] | None = None) -> int:
         sweep_decode(b, MODELS[-1], 64, 4096)
     env = environment(b, sms)
     short = write_results(Path(args.out), env, b, plan)
-    print(f"\nresults in {args.out}/results.{{json,md}} after {time.monotonic() - t0:.0f} s\n")
-    print(short)
     if b.failures:
-        print("\nFAILED checks:\n" + "\n".join(b.failures))
+        print("\nFAILED checks against the reference:\n" + "\n".join(b.failures))
+    print(f"\nresults in {args.out}/results.{{json,md}} after {time.monotonic() - t0:.0f} s\n")
+    print(short)  # the short Markdown table comes last
     return 1 if b.failures else 0
 
 
