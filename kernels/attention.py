@@ -63,24 +63,34 @@ class PagedAttentionMetadata:
     def num_seqs(self) -> int:
         return len(self.seq_lens_host)
 
-    def reference_plan(self) -> _ReferencePlan:
-        if self._plan is None:
-            self._plan = _ReferencePlan.from_metadata(self)
+    def reference_plan(self, block_size: int) -> _ReferencePlan:
+        if self._plan is None or self._plan.block_size != block_size:
+            self._plan = _ReferencePlan.build(self, block_size)
         return self._plan
 
 
 @dataclass
 class _ReferencePlan:
-    """Host-side split of the batch into decodes (batched together) and chunks (one by one)."""
+    """Per-step work of the CPU reference, shared by every layer.
 
-    decode_seqs: torch.Tensor  # long [D]: sequence indices with a single query token
-    decode_rows: torch.Tensor  # long [D]: their query rows
-    decode_max_len: int
-    chunk_seqs: list[tuple[int, int, int, int]]  # (seq, first row, q_len, seq_len)
+    Decodes are batched: their keys are gathered by slot into one ``[D, L]`` grid (L the longest
+    decode), positions past a sequence's end point at its first slot (finite data, so no NaN can
+    enter) and get a -inf score bias. Chunks are attended one by one. Gather buffers are allocated
+    once per step, not per layer: fresh multi-megabyte tensors cost page faults on every call.
+    """
+
+    block_size: int
+    decode_rows: torch.Tensor  # long [D]: query rows of single-token sequences
+    decode_slots: torch.Tensor  # long [D * L]
+    decode_bias: torch.Tensor  # fp32 [D, 1, L]: 0 where a key exists, -inf past the end
+    chunks: list[tuple[int, int, torch.Tensor]]  # (first row, q_len, slots [seq_len]) per chunk
+    _scratch: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
-    def from_metadata(cls, m: PagedAttentionMetadata) -> _ReferencePlan:
+    def build(cls, m: PagedAttentionMetadata, block_size: int) -> _ReferencePlan:
         qsl, lens = m.query_start_loc_host, m.seq_lens_host
+        device = m.block_tables.device
+        tables = m.block_tables.long()
         dec_s, dec_r, chunks = [], [], []
         for s, seq_len in enumerate(lens):
             q_len = qsl[s + 1] - qsl[s]
@@ -88,14 +98,34 @@ class _ReferencePlan:
                 dec_s.append(s)
                 dec_r.append(qsl[s])
             elif q_len > 1:
-                chunks.append((s, qsl[s], q_len, seq_len))
-        device = m.block_tables.device
-        return cls(
-            decode_seqs=torch.tensor(dec_s, dtype=torch.long, device=device),
-            decode_rows=torch.tensor(dec_r, dtype=torch.long, device=device),
-            decode_max_len=max((lens[s] for s in dec_s), default=0),
-            chunk_seqs=chunks,
+                pos = torch.arange(seq_len, device=device)
+                chunks.append((qsl[s], q_len, tables[s, pos // block_size] * block_size + pos % block_size))
+        width = max((lens[s] for s in dec_s), default=0)
+        pos = torch.arange(width, device=device)
+        seqs = torch.tensor(dec_s, dtype=torch.long, device=device)
+        slots = tables[seqs][:, pos // block_size] * block_size + pos % block_size  # [D, L]
+        valid = pos[None, :] < torch.tensor([lens[s] for s in dec_s], device=device)[:, None]
+        slots = torch.where(valid, slots, slots[:, :1])
+        bias = torch.zeros(valid.shape, dtype=torch.float32, device=device).masked_fill_(
+            ~valid, float("-inf")
         )
+        return cls(
+            block_size=block_size,
+            decode_rows=torch.tensor(dec_r, dtype=torch.long, device=device),
+            decode_slots=slots.reshape(-1),
+            decode_bias=bias[:, None, :],
+            chunks=chunks,
+        )
+
+    def gather(self, name: str, cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Rows ``slots`` of ``cache`` as fp32 ``[len(slots), kv_heads * head_dim]``, into a reused buffer."""
+        flat = cache.view(-1, cache.shape[-2] * cache.shape[-1])
+        if cache.dtype != torch.float32:
+            return flat.index_select(0, slots).float()
+        buf = self._scratch.get(name)
+        if buf is None or buf.shape[0] != slots.shape[0]:
+            buf = self._scratch[name] = torch.empty((slots.shape[0], flat.shape[1]), device=cache.device)
+        return torch.index_select(flat, 0, slots, out=buf)
 
 
 def paged_attention(
@@ -137,12 +167,6 @@ def choose_num_kv_splits(
     return max(1, min(want, max_seq_len // _SPLIT_MIN_KEYS, _SPLIT_MAX))
 
 
-def _gather_kv(cache: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
-    """Cache rows of ``blocks [..., nb]`` as ``[..., nb * block_size, kv_heads, head_dim]`` in fp32."""
-    g = cache[blocks]
-    return g.reshape(*blocks.shape[:-1], -1, cache.shape[-2], cache.shape[-1]).float()
-
-
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -154,35 +178,32 @@ def paged_attention_ref(
     """Torch reference: fp32 math whatever the cache dtype; decodes batched, chunks one by one.
 
     Cache slots past a sequence's length (the tail of its last block, padded table entries) may
-    hold anything, NaN included: they are masked out of the scores and zeroed in V.
+    hold anything, NaN included: they are never read (see _ReferencePlan).
     """
     num_tokens, num_heads, head_dim = q.shape
-    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
     if out is None:
         out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
-    plan = meta.reference_plan()
-    tables = meta.block_tables.long()
+    plan = meta.reference_plan(k_cache.shape[1])
 
-    if plan.decode_seqs.numel():
-        nb = -(-plan.decode_max_len // block_size)
-        blocks = tables[plan.decode_seqs, :nb]
-        k = _gather_kv(k_cache, blocks).permute(0, 2, 3, 1)  # [D, kvh, hd, L]
-        v = _gather_kv(v_cache, blocks).permute(0, 2, 1, 3)  # [D, kvh, L, hd]
-        qd = q[plan.decode_rows].float().view(-1, num_kv_heads, group, head_dim)
-        scores = torch.matmul(qd, k) * scale  # [D, kvh, G, L]
-        lens = meta.seq_lens[plan.decode_seqs].long()
-        pad = torch.arange(scores.shape[-1], device=q.device)[None, :] >= lens[:, None]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
-        v.masked_fill_(pad[:, None, :, None], 0.0)  # 0 * NaN would poison the product
-        probs = torch.softmax(scores, dim=-1)
-        od = torch.matmul(probs, v).view(-1, num_heads, head_dim)
-        out[plan.decode_rows] = od.to(q.dtype)
+    num_decodes = plan.decode_rows.numel()
+    if num_decodes:
+        k = plan.gather("k", k_cache, plan.decode_slots).view(num_decodes, -1, num_kv_heads, head_dim)
+        v = plan.gather("v", v_cache, plan.decode_slots).view(num_decodes, -1, num_kv_heads, head_dim)
+        qd = (q[plan.decode_rows].float() * scale).view(num_decodes, num_kv_heads, group, head_dim)
+        od = torch.empty((num_decodes, num_kv_heads, group, head_dim), device=q.device)
+        # One KV head at a time: strided views feed the GEMMs directly, with no transposed copies.
+        for h in range(num_kv_heads):
+            scores = torch.matmul(qd[:, h], k[:, :, h].transpose(1, 2))  # [D, G, L]
+            scores += plan.decode_bias
+            od[:, h] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, h])
+        out[plan.decode_rows] = od.view(num_decodes, num_heads, head_dim).to(q.dtype)
 
-    for s, row, q_len, seq_len in plan.chunk_seqs:
-        nb = -(-seq_len // block_size)
-        k = _gather_kv(k_cache, tables[s, :nb])[:seq_len]  # [L, kvh, hd]
-        v = _gather_kv(v_cache, tables[s, :nb])[:seq_len]
+    for row, q_len, slots in plan.chunks:
+        seq_len = slots.shape[0]
+        k = plan.gather("ck", k_cache, slots).view(seq_len, num_kv_heads, head_dim)
+        v = plan.gather("cv", v_cache, slots).view(seq_len, num_kv_heads, head_dim)
         qs = q[row : row + q_len].float().view(q_len, num_kv_heads, group, head_dim)
         qs = qs.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
         ctx = seq_len - q_len
