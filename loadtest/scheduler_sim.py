@@ -80,6 +80,8 @@ class SchedulerSim:
             self.bm.register_full_blocks(seq)
             if seq.num_computed_tokens == seq.num_tokens:  # a "sampled" token
                 seq.token_ids.append(7)
+                if seq.padding:  # static batching: ended already, only occupies its slot
+                    continue
                 if rec.first_token_step is None:
                     rec.first_token_step = self.step_no
                 if seq.num_output_tokens >= seq.sampling.max_tokens:

@@ -21,7 +21,7 @@ from worker.model import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.request import FinishReason, GenerationRequest, InvalidRequestError, Priority, RequestOutput
 from worker.scheduler import Scheduler, SchedulerConfig, SchedulingMode
-from worker.sequence import Sequence
+from worker.sequence import Sequence, SequenceStatus
 from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class _Counters:
     step_tokens: int = 0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
+    last_step_padding: int = 0
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -178,13 +179,22 @@ class LLMEngine:
                 outs.append(self._final(seq, "", [], error=f"{type(exc).__name__}: {exc}"))
             return outs
         t1 = time.monotonic()
-        self._record_step(t0, t1, batch.total_tokens, len(batch.seqs))
+        padding = sum(1 for seq in batch.seqs if seq.padding)
+        self._record_step(t0, t1, batch.total_tokens, len(batch.seqs) - padding, padding)
 
         outputs: list[RequestOutput] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.status is SequenceStatus.FINISHED:  # padding released when its cohort ended above
+                continue
             seq.num_computed_tokens += n
             self.block_manager.register_full_blocks(seq)
-            token = sampled.get(seq.request_id)
+            token = sampled.get(seq)
+            if seq.padding:  # static-batching padding: computed, never reported
+                if token is not None:
+                    seq.token_ids.append(token)
+                    if seq.num_tokens >= self.max_model_len:
+                        self.scheduler.drop_padding(seq)
+                continue
             if token is not None:
                 out = self._append_token(seq, token, t1)
                 if out is not None:
@@ -243,12 +253,13 @@ class LLMEngine:
 
     # ---- stats ---------------------------------------------------------------------------------
 
-    def _record_step(self, t0: float, t1: float, tokens: int, seqs: int) -> None:
+    def _record_step(self, t0: float, t1: float, tokens: int, seqs: int, padding: int) -> None:
         c = self._counters
         c.steps += 1
         c.step_tokens += tokens
         c.last_step_tokens = tokens
         c.last_step_seqs = seqs
+        c.last_step_padding = padding
         c.busy.append((t0, t1))
         while c.busy and c.busy[0][1] < t1 - _BUSY_WINDOW_S:
             c.busy.popleft()
@@ -267,6 +278,7 @@ class LLMEngine:
             num_steps=c.steps,
             last_step_tokens=c.last_step_tokens,
             last_step_seqs=c.last_step_seqs,
+            last_step_padding_seqs=c.last_step_padding,
             mean_tokens_per_step=c.step_tokens / c.steps if c.steps else 0.0,
             busy_fraction=busy / max(now - window_start, 1e-9),
             prefix_cache_queries=bm.prefix_queries,

@@ -21,6 +21,7 @@ from kernels import (
     silu_and_mul,
     write_kv,
 )
+from worker.dense import Dense
 from worker.model_config import ModelConfig
 
 
@@ -38,12 +39,11 @@ class ForwardBatch:
 @dataclass
 class _Layer:
     input_norm: torch.Tensor
-    qkv: torch.Tensor
-    qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor
+    qkv: Dense
+    o_proj: Dense
     post_norm: torch.Tensor
-    gate_up: torch.Tensor
-    down: torch.Tensor
+    gate_up: Dense
+    down: Dense
 
 
 def rope_inv_freq(config: ModelConfig, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -82,6 +82,7 @@ class LlamaModel:
         weights: dict[str, torch.Tensor],
         dtype: torch.dtype = torch.float32,
         device: torch.device | str = "cpu",
+        prepack: bool = True,
     ) -> None:
         self.config = config
         self.dtype = dtype
@@ -92,9 +93,12 @@ class LlamaModel:
                 raise KeyError(f"checkpoint lacks {name}")
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Dense:
+            return Dense(weight, bias, prepack)
+
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
-        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.lm_head = dense(self.embed if config.tie_word_embeddings else take("lm_head.weight"))
         self.layers: list[_Layer] = []
         for i in range(config.num_layers):
             p = f"model.layers.{i}."
@@ -105,12 +109,13 @@ class LlamaModel:
             self.layers.append(
                 _Layer(
                     input_norm=take(p + "input_layernorm.weight"),
-                    qkv=qkv,
-                    qkv_bias=bias,
-                    o_proj=take(p + "self_attn.o_proj.weight"),
+                    qkv=dense(qkv, bias),
+                    o_proj=dense(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
-                    gate_up=torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                    down=take(p + "mlp.down_proj.weight"),
+                    gate_up=dense(
+                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                    ),
+                    down=dense(take(p + "mlp.down_proj.weight")),
                 )
             )
         inv_freq = rope_inv_freq(config, weights.get("rope_freq_factors"))
@@ -119,10 +124,11 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         """Bytes a forward pass streams from memory for the weights (embedding rows aside)."""
-        tensors = [self.norm, self.lm_head]
-        for layer in self.layers:
-            tensors += [layer.input_norm, layer.qkv, layer.o_proj, layer.post_norm, layer.gate_up, layer.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+        norms = [self.norm] + [t for layer in self.layers for t in (layer.input_norm, layer.post_norm)]
+        dense = [self.lm_head] + [
+            d for layer in self.layers for d in (layer.qkv, layer.o_proj, layer.gate_up, layer.down)
+        ]
+        return sum(t.numel() * t.element_size() for t in norms) + sum(d.nbytes for d in dense)
 
     def flops_per_token(self) -> int:
         """Matmul FLOPs of one token through every layer and the LM head (attention excluded)."""
@@ -150,16 +156,16 @@ class LlamaModel:
                 h = rms_norm(h, layer.input_norm, cfg.rms_norm_eps)
             else:
                 h, residual = rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
-            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            qkv = layer.qkv(h)
             q = qkv[:, : cfg.q_size].view(n, cfg.num_heads, cfg.head_dim)
             k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
             apply_rotary(batch.positions, q, k, self.cos_sin)
             write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
             attn = paged_attention(q, k_caches[i], v_caches[i], batch.attention, self.scale)
-            h = F.linear(attn.view(n, cfg.q_size), layer.o_proj)
+            h = layer.o_proj(attn.view(n, cfg.q_size))
             h, residual = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            h = F.linear(silu_and_mul(F.linear(h, layer.gate_up)), layer.down)
+            h = layer.down(silu_and_mul(layer.gate_up(h)))
         h = h[batch.logits_indices]
         h, _ = rms_norm(h, self.norm, cfg.rms_norm_eps, residual[batch.logits_indices])
-        return F.linear(h, self.lm_head).float()
+        return self.lm_head(h).float()

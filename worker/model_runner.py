@@ -7,8 +7,12 @@ import torch
 from kernels import PagedAttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model import ForwardBatch, LlamaModel
+from worker.request import SamplingParams
 from worker.sampler import RequestRng, sample
 from worker.scheduler import ScheduledBatch
+from worker.sequence import Sequence
+
+_GREEDY = SamplingParams()
 
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
@@ -54,7 +58,7 @@ class ModelRunner:
     def forget(self, request_id: str) -> None:
         self._rngs.pop(request_id, None)
 
-    def execute(self, batch: ScheduledBatch) -> dict[str, int]:
+    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run one step; returns the sampled token of every sequence whose chunk reached its end."""
         fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
         logits = self.model.forward(fb, self.kv.k, self.kv.v)
@@ -65,10 +69,11 @@ class ModelRunner:
         ]
         if not sampled_seqs:
             return {}
-        params = [s.sampling for s in sampled_seqs]
+        # Static-batching padding is decoded greedily: its tokens are never shown to anyone.
+        params = [_GREEDY if s.padding else s.sampling for s in sampled_seqs]
         rngs: list[RequestRng | None] = []
-        for s in sampled_seqs:
-            if s.sampling.greedy:
+        for s, p in zip(sampled_seqs, params, strict=True):
+            if p.greedy:
                 rngs.append(None)
             else:
                 rng = self._rngs.get(s.request_id)
@@ -76,4 +81,4 @@ class ModelRunner:
                     rng = self._rngs[s.request_id] = RequestRng(s.sampling.seed)
                 rngs.append(rng)
         tokens = sample(logits, params, rngs)
-        return {s.request_id: t for s, t in zip(sampled_seqs, tokens, strict=True)}
+        return dict(zip(sampled_seqs, tokens, strict=True))

@@ -10,8 +10,11 @@ then furthest over its fair share, then latest arrival) is preempted: its blocks
 its tokens recomputed later (cheaply, if its blocks survive in the prefix cache). A waiting request
 may preempt only strictly lower classes. Nothing is ever dropped.
 
-The static mode admits a cohort only when nothing is running and never backfills: the request-level
-batching that continuous batching is measured against.
+The static modes are the request-level batching that continuous batching is measured against: a
+cohort is admitted only when nothing is running and is never backfilled. In ``static`` a member that
+finishes keeps its slot and its KV blocks and runs on as padding until the cohort's longest member
+ends, as in fixed-shape batch generation; ``static_no_padding`` drops finished members from the
+batch (their slots still stay empty).
 """
 
 from __future__ import annotations
@@ -29,6 +32,11 @@ from worker.sequence import Sequence, SequenceStatus
 class SchedulingMode(enum.StrEnum):
     CONTINUOUS = "continuous"
     STATIC = "static"
+    STATIC_NO_PADDING = "static_no_padding"
+
+    @property
+    def is_static(self) -> bool:
+        return self is not SchedulingMode.CONTINUOUS
 
 
 @dataclass(frozen=True)
@@ -38,6 +46,7 @@ class SchedulerConfig:
     mode: SchedulingMode = SchedulingMode.CONTINUOUS
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "mode", SchedulingMode(self.mode))  # accept the plain string too
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
@@ -104,18 +113,39 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire ``seq`` (finished or aborted) and free its blocks at once."""
-        if seq.status is SequenceStatus.FINISHED:
+        """Retire ``seq`` (finished or aborted) and free its blocks at once.
+
+        In ``static`` mode a member that ends normally stays in its cohort as padding instead;
+        the cohort's blocks are all freed when its last real member ends.
+        """
+        if seq.status is SequenceStatus.FINISHED or seq.padding:
             return
-        if seq.status is SequenceStatus.RUNNING:
-            self.running.remove(seq)
+        pad = (
+            self.config.mode is SchedulingMode.STATIC
+            and seq.status is SequenceStatus.RUNNING
+            and reason in (FinishReason.STOP, FinishReason.LENGTH)
+        )
+        if pad:
+            seq.padding = True
         else:
-            self._dequeue(seq)
-        self.bm.free(seq)
-        seq.status = SequenceStatus.FINISHED
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self._dequeue(seq)
+            self.bm.free(seq)
+            seq.status = SequenceStatus.FINISHED
         seq.finish_reason = reason
         self.fair.deactivate(seq.priority, seq.tenant)
         del self._by_id[seq.request_id]
+        if self.running and all(s.padding for s in self.running):
+            for s in list(self.running):
+                self.drop_padding(s)
+
+    def drop_padding(self, seq: Sequence) -> None:
+        """Release a padding member (its cohort ended, or it can grow no further)."""
+        self.running.remove(seq)
+        self.bm.free(seq)
+        seq.status = SequenceStatus.FINISHED
 
     def request_ids(self) -> list[str]:
         return list(self._by_id)
@@ -134,7 +164,7 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        static = self.config.mode is SchedulingMode.STATIC
+        static = self.config.mode.is_static
         if static and not self.running:
             self._admit_cohort()
         admission_open = not static
@@ -243,6 +273,9 @@ class Scheduler:
             self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
         self.running.remove(seq)
         self.bm.free(seq)
+        if seq.padding:  # nothing to resume: its request already ended
+            seq.status = SequenceStatus.FINISHED
+            return
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

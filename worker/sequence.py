@@ -38,6 +38,7 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
+    padding: bool = False  # static batching: ended, but still occupies its cohort slot
     first_token_time: float | None = None
 
     @classmethod

@@ -15,7 +15,8 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     last_step_tokens: int = 0
-    last_step_seqs: int = 0
+    last_step_seqs: int = 0  # live requests in the last step
+    last_step_padding_seqs: int = 0  # static batching: ended members still computed
     mean_tokens_per_step: float = 0.0
     busy_fraction: float = 0.0  # share of the last 10 s spent inside forward steps
     prefix_cache_queries: int = 0

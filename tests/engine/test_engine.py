@@ -8,6 +8,7 @@ from worker.checkpoint import Checkpoint
 from worker.detokenizer import IncrementalDetokenizer
 from worker.engine import EngineConfig, LLMEngine
 from worker.request import FinishReason, GenerationRequest, InvalidRequestError, Priority, SamplingParams
+from worker.scheduler import SchedulingMode
 
 
 @pytest.fixture
@@ -179,3 +180,25 @@ def test_stop_string_in_engine_output(smol_engine: LLMEngine) -> None:
     assert cut.finish_reason is FinishReason.STOP
     assert cut.text == full.text[: full.text.index(stop)]
     assert smol_engine.block_manager.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("mode", ["static", "static_no_padding"])
+def test_static_modes_give_the_same_greedy_tokens(tiny: Checkpoint, mode: str) -> None:
+    prompts = [[65 + i] * (5 + 3 * i) for i in range(6)]
+    lengths = [3, 20, 7, 1, 12, 5]
+
+    def run(scheduling: str) -> dict[str, list[int]]:
+        config = EngineConfig(
+            num_blocks=128, block_size=8, max_num_seqs=4, scheduling=SchedulingMode(scheduling)
+        )
+        engine = LLMEngine(config, tiny)
+        pairs = enumerate(zip(prompts, lengths, strict=True))
+        reqs = [_req(f"r{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in pairs]
+        outs = engine.run_to_completion(reqs)
+        assert engine.block_manager.num_used_blocks == 0
+        assert not engine.scheduler.running
+        return {k: o.token_ids for k, o in outs.items()}
+
+    static = run(mode)
+    assert static == run("continuous")
+    assert [len(static[f"r{i}"]) for i in range(6)] == lengths

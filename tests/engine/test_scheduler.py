@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from loadtest.scheduler_sim import SchedulerSim
 from worker.request import Priority
 from worker.scheduler import SchedulingMode
@@ -133,8 +135,9 @@ def test_abort_frees_blocks_immediately() -> None:
     sim.bm.check_consistency()
 
 
-def test_static_mode_never_backfills() -> None:
-    sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, mode=SchedulingMode.STATIC, num_blocks=512)
+@pytest.mark.parametrize("mode", [SchedulingMode.STATIC, SchedulingMode.STATIC_NO_PADDING])
+def test_static_modes_never_backfill(mode: SchedulingMode) -> None:
+    sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, mode=mode, num_blocks=512)
     short = [sim.submit(4, 2) for _ in range(3)]
     long = sim.submit(4, 30)
     later = [sim.submit(4, 2) for _ in range(4)]
@@ -171,3 +174,27 @@ def test_prefix_cache_reuses_blocks_and_evicts_lru() -> None:
     sim.run()
     assert sim.requests[third].seq.num_cached_prompt_tokens < 20
     _assert_clean(sim)
+
+
+def test_static_mode_keeps_finished_members_as_padding_until_the_cohort_ends() -> None:
+    sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, mode=SchedulingMode.STATIC, num_blocks=512)
+    short = sim.submit(4, 2)
+    long = sim.submit(4, 30)
+    sizes = []
+    while sim.scheduler.has_work():
+        sizes.append(len(sim.step().seqs))
+    assert sim.requests[short].finished_step < sim.requests[long].finished_step
+    assert sizes == [2] * len(sizes), "a finished member left its cohort before the cohort ended"
+    assert sim.requests[short].seq.num_tokens > 4 + 2  # it ran on as padding
+    _assert_clean(sim)
+
+
+def test_static_padding_is_released_by_an_abort_of_the_last_member() -> None:
+    sim = SchedulerSim(max_num_seqs=4, mode=SchedulingMode.STATIC, num_blocks=512)
+    sim.submit(4, 2)
+    long = sim.submit(4, 300)
+    for _ in range(10):
+        sim.step()
+    sim.abort(long)
+    assert sim.bm.num_used_blocks == 0
+    assert not sim.scheduler.running
