@@ -332,14 +332,22 @@ def run_benchmark(
         "versions": versions(),
         "modes": {},
     }
+
+    def save_partial() -> None:  # a crash late in a long run keeps what was measured
+        if out_dir is not None:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            (out_dir / "engine.partial.json").write_text(json.dumps(report, indent=2) + "\n")
+
     for mode in SchedulingMode:
         log(f"running {mode} ...")
         report["modes"][str(mode)] = run_engine(ckpt, items, mode, max_num_seqs, max_num_batched_tokens)
         log(f"  {report['modes'][str(mode)]}")
+        save_partial()
     if hf:
         log("running hf_static ...")
         report["modes"]["hf_static"] = run_hf_static(ckpt, items, max_num_seqs)
         log(f"  {report['modes']['hf_static']}")
+        save_partial()
     modes = report["modes"]
     cont = modes["continuous"]["output_tokens_per_s"]
     ratios = {
@@ -358,6 +366,7 @@ def run_benchmark(
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "engine.json").write_text(json.dumps(report, indent=2) + "\n")
         (out_dir / "engine.md").write_text(to_markdown(report))
+        (out_dir / "engine.partial.json").unlink(missing_ok=True)
         log(f"wrote {out_dir / 'engine.json'} and {out_dir / 'engine.md'}")
     return report
 

@@ -132,11 +132,10 @@ class LlamaModel:
 
     def flops_per_token(self) -> int:
         """Matmul FLOPs of one token through every layer and the LM head (attention excluded)."""
-        per_layer = sum(
-            2 * w.shape[0] * w.shape[1]
-            for w in (self.layers[0].qkv, self.layers[0].o_proj, self.layers[0].gate_up, self.layers[0].down)
-        )
-        return per_layer * len(self.layers) + 2 * self.lm_head.shape[0] * self.lm_head.shape[1]
+        first = self.layers[0]
+        dense = (first.qkv, first.o_proj, first.gate_up, first.down)
+        per_layer = sum(2 * d.out_features * d.in_features for d in dense)
+        return per_layer * len(self.layers) + 2 * self.lm_head.out_features * self.lm_head.in_features
 
     @torch.inference_mode()
     def forward(
