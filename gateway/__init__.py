@@ -1,1 +1,1 @@
-"""gateway"""
+"""The gRPC gateway: authentication, validation, admission, priority tagging, dispatch, streaming."""

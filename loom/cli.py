@@ -12,6 +12,7 @@ _COMMAND_MODULES: list[str] = [
     "loom.cmd_generate",
     "loom.cmd_bench",
     "loom.cmd_admin",
+    "loom.cmd_serve",
 ]
 
 

@@ -1,11 +1,13 @@
 """``loom generate``: stream one completion to the terminal.
 
-``--local`` runs the engine in this process on the embedded model (or ``--model``), no server needed.
+With ``--api-key`` it calls a Loom gateway (``--address``, or ``LOOM_ADDRESS``, default
+127.0.0.1:50051). ``--local`` runs the engine in this process instead, no server needed.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 import time
 
@@ -30,10 +32,52 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if not args.local:
-        print("loom generate: only --local is available in this build", file=sys.stderr)
+    if args.local:
+        return _run_local(args)
+    if not args.api_key:
+        print("loom generate: pass --api-key (or set LOOM_API_KEY), or use --local", file=sys.stderr)
         return 2
-    return _run_local(args)
+    return asyncio.run(_run_remote(args))
+
+
+async def _run_remote(args: argparse.Namespace) -> int:
+    import grpc
+
+    from gateway.client import LoomClient
+
+    fields: dict[str, object] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "stop": args.stop,
+    }
+    if args.top_p != 1.0:
+        fields["top_p"] = args.top_p
+    if args.top_k:
+        fields["top_k"] = args.top_k
+    if args.seed is not None:
+        fields["seed"] = args.seed
+    if args.priority:
+        fields["priority"] = f"PRIORITY_{args.priority.upper()}"
+    async with LoomClient.from_files(args.address, args.api_key, args.tls_ca) as client:
+        try:
+            model = args.model or next(iter(await client.list_models())).id
+            final = None
+            async for chunk in client.generate(model, messages=[("user", args.prompt)], **fields):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.HasField("usage"):
+                    final = chunk
+        except grpc.aio.AioRpcError as err:
+            print(f"\nloom generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+        except StopIteration:
+            print("loom generate: this key may use no model", file=sys.stderr)
+            return 1
+    sys.stdout.write("\n")
+    if final is not None:
+        u = final.usage
+        print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]", file=sys.stderr)
+    return 0
 
 
 def _run_local(args: argparse.Namespace) -> int:

@@ -63,6 +63,28 @@ def load_checkpoint(path: str | Path | None = None, name: str | None = None) -> 
     return Checkpoint(name or path.stem, path, config, weights, tokenizer)
 
 
+def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
+    """Only the tokenizer and chat template of a checkpoint (no weights): what a gateway needs."""
+    if path is None:
+        path = embedded_model_path()
+    path = Path(path)
+    if path.is_dir():
+        cfg_file = path / "config.json"
+        eos = (
+            ModelConfig.from_hf_dict(json.loads(cfg_file.read_text())).eos_token_ids
+            if cfg_file.is_file()
+            else ()
+        )
+        return Tokenizer.from_hf_dir(path, eos)
+    if path.suffix == ".gguf" and path.is_file():
+        import gguf
+
+        reader = gguf.GGUFReader(str(path))
+        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
+        return Tokenizer.from_gguf_fields(fields)
+    raise CheckpointError(f"no model at {path}")
+
+
 # ---- Hugging Face directory ---------------------------------------------------------------------
 
 

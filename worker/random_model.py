@@ -96,3 +96,20 @@ def random_checkpoint(
 ) -> Checkpoint:
     config = config or tiny_config()
     return Checkpoint(name, Path("<random>"), config, random_weights(config, seed), byte_tokenizer())
+
+
+def save_hf_dir(ckpt: Checkpoint, path: Path) -> Path:
+    """Write ``ckpt`` as a Hugging Face model directory (config, safetensors, tokenizer files)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    path.mkdir(parents=True, exist_ok=True)
+    hf = ckpt.config.to_hf_dict()
+    hf["architectures"] = ["LlamaForCausalLM"]
+    (path / "config.json").write_text(json.dumps(hf, indent=2))
+    save_file({k: v.contiguous() for k, v in ckpt.weights.items()}, str(path / "model.safetensors"))
+    ckpt.tokenizer.backend.save(str(path / "tokenizer.json"))
+    tok_cfg = {"chat_template": ckpt.tokenizer.chat_template, **ckpt.tokenizer.special_tokens}
+    (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return path

@@ -27,6 +27,10 @@ class InvalidRequestError(ValueError):
     def __init__(self, field_name: str, message: str) -> None:
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+        self.detail = message
+
+    def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries (Ray) intact
+        return (type(self), (self.field, self.detail))
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,68 @@
+"""Which pool serves which model, with the tokenizer the gateway counts and encodes prompts with.
+
+Prompts are tokenized here, not in the engine, so admission reserves exact prompt tokens before any
+replica is involved, and a prompt too long for the model is refused without a round trip.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import grpc
+
+from gateway.errors import GatewayError
+from gateway.pools import EnginePool
+from tenancy import Tenant
+from worker.api import Tokenizer
+
+SHARED_POOL = "shared"
+
+
+@dataclass(frozen=True)
+class ModelRoute:
+    model: str
+    pool: EnginePool
+    context_length: int
+    tokenizer: Tokenizer
+
+
+class Catalog:
+    def __init__(self, routes: list[ModelRoute]) -> None:
+        self._routes = {(r.pool.name, r.model): r for r in routes}
+
+    @classmethod
+    async def build(cls, pools: list[tuple[EnginePool, Tokenizer]]) -> Catalog:
+        """Ask each pool what model it serves; each comes with that model's tokenizer."""
+        routes = []
+        for pool, tokenizer in pools:
+            info = await pool.describe()
+            routes.append(ModelRoute(info.model, pool, info.context_length, tokenizer))
+        return cls(routes)
+
+    @property
+    def routes(self) -> list[ModelRoute]:
+        return list(self._routes.values())
+
+    def pools(self) -> list[EnginePool]:
+        return list({id(r.pool): r.pool for r in self._routes.values()}.values())
+
+    def visible_to(self, tenant: Tenant) -> list[ModelRoute]:
+        return [
+            r
+            for (pool, _), r in self._routes.items()
+            if pool == tenant.pool_name and tenant.allows_model(r.model)
+        ]
+
+    def route(self, tenant: Tenant, model: str) -> ModelRoute:
+        pool = tenant.pool_name
+        route = self._routes.get((pool, model))
+        if route is not None:
+            return route
+        if not any(p == pool for p, _ in self._routes):
+            raise GatewayError(
+                grpc.StatusCode.UNAVAILABLE, f"the {pool!r} pool of this tenant is not deployed"
+            )
+        served = sorted(m for p, m in self._routes if p == pool)
+        raise GatewayError(
+            grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here; available: {', '.join(served)}"
+        )

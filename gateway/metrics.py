@@ -1,0 +1,89 @@
+"""Gateway metrics (Prometheus): requests, latency, tokens and refusals by tenant, plus the engine
+gauges of every replica behind this gateway re-exported under vLLM's names.
+
+Module-level metric objects (registered once per process on the default registry, beside the
+tenancy package's); the engine collector is registered per running gateway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+REQUESTS = Counter(
+    "loom:gateway_requests",
+    "Generate calls by tenant, priority and final gRPC code.",
+    ["tenant", "priority", "code"],
+)
+TTFT = Histogram(
+    "loom:time_to_first_token_seconds",
+    "Arrival to first streamed token.",
+    ["priority"],
+    buckets=_LATENCY_BUCKETS,
+)
+TPOT = Histogram(
+    "loom:time_per_output_token_seconds",
+    "Mean gap between streamed tokens after the first, per request.",
+    ["priority"],
+    buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5),
+)
+E2E = Histogram(
+    "loom:e2e_request_latency_seconds", "Arrival to last byte.", ["priority"], buckets=_LATENCY_BUCKETS
+)
+PROMPT_TOKENS = Counter("loom:prompt_tokens", "Prompt tokens of admitted requests, by tenant.", ["tenant"])
+GENERATION_TOKENS = Counter("loom:generation_tokens", "Tokens streamed to clients, by tenant.", ["tenant"])
+REFUSALS = Counter(
+    "loom:gateway_admission_refusals",
+    "Requests refused before dispatch, by tenant and reason.",
+    ["tenant", "reason"],
+)
+AUTH_REFUSALS = Counter("loom:gateway_unauthenticated", "Calls refused for a missing or bad API key.")
+
+
+class EngineCollector(Collector):
+    """Per-replica engine gauges from the stats each replica publishes to the request router."""
+
+    def __init__(self, sources: Callable[[], dict[str, dict[str, dict[str, Any]]]]) -> None:
+        self._sources = sources  # {pool: {replica: stats}}
+
+    def collect(self) -> Iterator[Metric]:
+        labels = ["pool", "replica"]
+        running = GaugeMetricFamily(
+            "loom:num_requests_running", "Requests in the engine's batch.", labels=labels
+        )
+        waiting = GaugeMetricFamily(
+            "loom:num_requests_waiting", "Requests queued in the engine.", labels=[*labels, "priority"]
+        )
+        kv = GaugeMetricFamily(
+            "loom:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels=labels
+        )
+        busy = GaugeMetricFamily(
+            "loom:engine_busy_fraction", "Share of the last 10 s spent in forward steps.", labels=labels
+        )
+        preempt = CounterMetricFamily(
+            "loom:num_preemptions", "Sequences preempted (recomputed).", labels=labels
+        )
+        for pool, replicas in self._sources().items():
+            for replica, s in replicas.items():
+                if not s:
+                    continue
+                key = [pool, replica]
+                running.add_metric(key, float(sum((s.get("running") or {}).values())))
+                for prio, n in (s.get("waiting") or {}).items():
+                    waiting.add_metric([*key, prio], float(n))
+                kv.add_metric(key, float(s.get("kv_cache_usage", 0.0)))
+                busy.add_metric(key, float(s.get("busy_fraction", 0.0)))
+                preempt.add_metric(key, float(s.get("num_preemptions", 0)))
+        yield from (running, waiting, kv, busy, preempt)
+
+
+def start_metrics_server(host: str, port: int) -> Any:
+    """Serve the default registry (gateway, tenancy and engine metrics) over HTTP."""
+    server, _thread = start_http_server(port, addr=host, registry=REGISTRY)
+    return server

@@ -1,0 +1,120 @@
+"""Where the gateway sends a request: a pool of engine replicas serving one model.
+
+``ServeEnginePool`` dispatches into a Ray Serve deployment of engine replicas through a streaming
+DeploymentHandle (the production path; Loom's request router picks the replica).
+``LocalEnginePool`` runs an engine in the gateway's own process (single-process tools and benchmarks).
+Both stream ``RequestOutput`` deltas and stop the request in the engine when the caller goes away.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from worker.api import AsyncEngine, GenerationRequest, RequestOutput, published_replica_stats
+
+log = logging.getLogger(__name__)
+
+
+class WorkerLostError(RuntimeError):
+    """The replica serving a request died or became unreachable."""
+
+
+@dataclass(frozen=True)
+class PoolModel:
+    """What a pool serves, as reported by its replicas."""
+
+    model: str
+    context_length: int
+    vocab_size: int
+
+
+class EnginePool(Protocol):
+    name: str
+
+    async def describe(self) -> PoolModel: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]: ...
+
+
+class LocalEnginePool:
+    def __init__(self, engine: AsyncEngine, name: str = "shared") -> None:
+        self.name = name
+        self.engine = engine
+
+    async def describe(self) -> PoolModel:
+        core = self.engine.engine
+        return PoolModel(core.model_name, core.max_model_len, core.model_config.vocab_size)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        s = self.engine.stats()
+        return {
+            "local": {
+                "kv_cache_usage": s.kv_cache_usage,
+                "running": s.running,
+                "waiting": s.waiting,
+                "busy_fraction": s.busy_fraction,
+                "num_preemptions": s.num_preemptions,
+            }
+        }
+
+
+class ServeEnginePool:
+    """A Ray Serve deployment of ``worker.serve_engine.EngineReplica``."""
+
+    # A replica lost before the first delta is retried on another replica (or its replacement);
+    # after output has been streamed the request fails with UNAVAILABLE, its usage counted.
+    RETRIES_BEFORE_OUTPUT = 2
+
+    def __init__(self, handle: Any, name: str = "shared", deployment: str | None = None) -> None:
+        self.name = name
+        self.deployment = deployment or handle.deployment_name
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+
+    async def describe(self) -> PoolModel:
+        info = await self._handle.model_info.remote()
+        return PoolModel(info["model"], int(info["context_length"]), int(info["vocab_size"]))
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        import ray.exceptions
+        from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+
+        lost = (ray.exceptions.RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
+        attempt = 0
+        while True:
+            response = self._stream.generate.remote(request)
+            delivered = False
+            finished = False
+            try:
+                async for out in response:
+                    delivered = True
+                    finished = out.finished
+                    yield out
+                return
+            except lost as exc:
+                if not delivered and attempt < self.RETRIES_BEFORE_OUTPUT:
+                    attempt += 1
+                    log.warning(
+                        "replica lost before output (%s); retrying request %s", exc, request.request_id
+                    )
+                    continue
+                raise WorkerLostError(f"the engine replica serving this request was lost: {exc}") from exc
+            finally:
+                if not finished:
+                    response.cancel()  # the replica's generator is cancelled: it aborts the request
+
+    def replica_stats(self) -> dict[str, dict[str, Any]]:
+        return published_replica_stats().get(self.deployment, {})

@@ -1,0 +1,83 @@
+"""The gateway as a Ray Serve deployment: each replica starts the same grpc.aio server on a configured
+port (on KubeRay, one gateway replica per pod behind a Kubernetes Service).
+
+Serve hands the replica a DeploymentHandle per engine pool; everything else is the code path
+``loom serve`` runs in-process.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ray import serve
+
+from gateway.catalog import Catalog
+from gateway.pools import ServeEnginePool
+from gateway.server import GatewayServer
+from gateway.settings import GatewaySettings
+from tenancy import Tenancy, TenancySettings
+from worker.api import load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class GatewayIngress:
+    async def __init__(
+        self,
+        gateway_settings: dict[str, Any],
+        tenancy_settings: dict[str, Any],
+        pools: dict[str, Any],
+        tokenizer_paths: dict[str, str | None],  # pool -> model path (None: the embedded model)
+    ) -> None:
+        self.tenancy = Tenancy.from_settings(TenancySettings(**tenancy_settings))
+        await self.tenancy.start()
+        catalog = await Catalog.build(
+            [(ServeEnginePool(h, name), load_tokenizer(tokenizer_paths[name])) for name, h in pools.items()]
+        )
+        self.server = await GatewayServer(GatewaySettings(**gateway_settings), self.tenancy, catalog).start()
+
+    async def address(self) -> str:
+        return self.server.address
+
+    def check_health(self) -> None:
+        if self.server.port is None:
+            raise RuntimeError("the gRPC server is not running")
+
+    async def __del__(self) -> None:
+        await self.server.stop()
+        await self.tenancy.stop()
+
+
+def gateway_deployment(
+    gateway_settings: GatewaySettings,
+    tenancy_settings: TenancySettings,
+    pools: dict[str, Any],
+    tokenizer_paths: dict[str, str | None],
+    *,
+    name: str = "gateway",
+    num_replicas: int = 1,
+    num_cpus: float = 0.5,
+    runtime_env: dict[str, Any] | None = None,
+) -> serve.Application:
+    """A bound Serve application of gateway replicas in front of the given engine applications.
+
+    Secrets (``LOOM_TENANCY_SECRET``) reach replicas through their environment: the pod's on KubeRay,
+    or ``runtime_env`` here; they are never part of the deployment's arguments.
+    """
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus}
+    if runtime_env:
+        actor_options["runtime_env"] = runtime_env
+    deployment = serve.deployment(GatewayIngress).options(
+        name=name,
+        num_replicas=num_replicas,
+        ray_actor_options=actor_options,
+        graceful_shutdown_timeout_s=gateway_settings.drain_grace_s + 5,
+    )
+    return deployment.bind(
+        gateway_settings.model_dump(),
+        # Secrets never travel in deployment arguments: replicas read them from their environment.
+        tenancy_settings.model_dump(mode="json", exclude={"secret", "previous_secrets"}),
+        pools,
+        tokenizer_paths,
+    )

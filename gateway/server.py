@@ -1,0 +1,113 @@
+"""The grpc.aio server: Inference + health + reflection, optional TLS/mTLS, metrics, graceful drain.
+
+The same class runs inside ``loom serve`` and inside a Ray Serve replica (gateway/serve_ingress.py):
+one code path however the gateway is deployed.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY
+
+from gateway.api import SERVICE_NAME, pb, pb_grpc
+from gateway.auth import AuthInterceptor
+from gateway.catalog import Catalog
+from gateway.metrics import AUTH_REFUSALS, EngineCollector, start_metrics_server
+from gateway.service import InferenceService
+from gateway.settings import GatewaySettings
+from tenancy import Tenancy
+
+log = logging.getLogger(__name__)
+
+
+def _read(path: str) -> bytes:
+    return Path(path).read_bytes()
+
+
+class GatewayServer:
+    def __init__(self, settings: GatewaySettings, tenancy: Tenancy, catalog: Catalog) -> None:
+        self.settings = settings
+        self.tenancy = tenancy
+        self.catalog = catalog
+        self.port: int | None = None
+        self._server: grpc.aio.Server | None = None
+        self._health = health.aio.HealthServicer()
+        self._collector = EngineCollector(lambda: {p.name: p.replica_stats() for p in catalog.pools()})
+        self._metrics_server: Any = None
+
+    @property
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    @property
+    def metrics_port(self) -> int | None:
+        return self._metrics_server.server_port if self._metrics_server is not None else None
+
+    async def start(self) -> GatewayServer:
+        s = self.settings
+        server = grpc.aio.server(
+            interceptors=[AuthInterceptor(self.tenancy, on_refused=AUTH_REFUSALS.inc)],
+            maximum_concurrent_rpcs=s.max_concurrent_streams,
+            options=[("grpc.so_reuseport", 0)],
+        )
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(self.tenancy, self.catalog, s), server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
+        reflection.enable_server_reflection(
+            [
+                SERVICE_NAME,
+                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                reflection.SERVICE_NAME,
+            ],
+            server,
+        )
+        target = f"{s.host}:{s.port}"
+        if s.tls_cert_file and s.tls_key_file:
+            creds = grpc.ssl_server_credentials(
+                [(_read(s.tls_key_file), _read(s.tls_cert_file))],
+                root_certificates=_read(s.tls_client_ca_file) if s.tls_client_ca_file else None,
+                require_client_auth=bool(s.tls_client_ca_file),
+            )
+            self.port = server.add_secure_port(target, creds)
+        else:
+            self.port = server.add_insecure_port(target)
+        if not self.port:
+            raise OSError(f"cannot listen on {target}")
+        await server.start()
+        self._server = server
+        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        REGISTRY.register(self._collector)
+        if s.metrics_port is not None:
+            self._metrics_server = start_metrics_server(s.metrics_host, s.metrics_port)
+        log.info("gateway listening on %s (%s)", self.address, "TLS" if s.tls_cert_file else "plaintext")
+        return self
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self._health.set(service, status)
+
+    async def wait(self) -> None:
+        if self._server is not None:
+            await self._server.wait_for_termination()
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        """Drain: report NOT_SERVING, refuse new calls, let streams finish up to the grace period."""
+        if self._server is None:
+            return
+        grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        log.info("gateway draining (grace %.0f s)", grace)
+        await self._server.stop(grace)
+        self._server = None
+        REGISTRY.unregister(self._collector)
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server = None
+
+
+__all__ = ["GatewayServer", "pb"]

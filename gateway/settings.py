@@ -1,0 +1,22 @@
+"""Gateway settings (``LOOM_GATEWAY_*`` environment variables, or constructor arguments)."""
+
+from __future__ import annotations
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOM_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
+    metrics_host: str = "127.0.0.1"
+    metrics_port: int | None = Field(9464, ge=0, le=65535, description="None disables the metrics endpoint")
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_client_ca_file: str | None = Field(None, description="set to require client certificates (mTLS)")
+    drain_grace_s: float = Field(30.0, ge=0)
+    default_max_tokens: int = Field(256, ge=1)
+    max_concurrent_streams: int = Field(4096, ge=1)
+    log_prompts: bool = Field(False, description="log prompt text (off: only sizes and ids are logged)")

@@ -1,0 +1,88 @@
+"""Builds Loom's Ray Serve applications: engine pools, and the gateway in front of them.
+
+``loom serve`` uses these to deploy on a local Ray; KubeRay's RayService imports ``loom.app:build_app``
+(``serveConfigV2.applications[].import_path``) with the same settings from environment variables.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+from ray import serve
+
+from gateway.serve_ingress import gateway_deployment
+from gateway.settings import GatewaySettings
+from loom.settings import EngineSettings
+from tenancy import TenancySettings
+from worker.serve_engine import engine_deployment
+
+SHARED_POOL = "shared"
+
+
+class PoolSpec(BaseModel):
+    """One engine deployment: a pool of replicas serving one model."""
+
+    name: str = SHARED_POOL
+    replicas: int = Field(1, ge=1)
+    autoscale: bool = False
+    max_replicas: int = Field(1, ge=1)
+    num_cpus: float = Field(1.0, gt=0)
+    num_gpus: float = Field(0.0, ge=0)
+    engine: EngineSettings = Field(default_factory=EngineSettings)
+
+    @property
+    def deployment_name(self) -> str:
+        return f"engine-{self.name}"
+
+
+def engine_app(pool: PoolSpec) -> serve.Application:
+    return engine_deployment(
+        pool.engine.engine_config(),
+        name=pool.deployment_name,
+        pool=pool.name,
+        num_replicas=pool.replicas,
+        min_replicas=pool.replicas,
+        max_replicas=max(pool.max_replicas, pool.replicas),
+        autoscale=pool.autoscale,
+        num_cpus=pool.num_cpus,
+        num_gpus=pool.num_gpus,
+    )
+
+
+def tokenizer_path(pool: PoolSpec) -> str | None:
+    return str(Path(pool.engine.model_path).resolve()) if pool.engine.model_path else None
+
+
+def portable_tenancy(settings: TenancySettings) -> TenancySettings:
+    """Absolute paths, so a replica started in another working directory finds the same files."""
+    return settings.model_copy(
+        update={
+            "tenants_file": settings.tenants_file.resolve(),
+            "secret_file": settings.secret_file.resolve(),
+        }
+    )
+
+
+def gateway_app(
+    pools: list[PoolSpec],
+    gateway: GatewaySettings,
+    tenancy: TenancySettings,
+    replicas: int = 1,
+) -> serve.Application:
+    """The gateway deployment bound to one engine deployment per pool."""
+    return gateway_deployment(
+        gateway,
+        portable_tenancy(tenancy),
+        {p.name: engine_app(p) for p in pools},
+        {p.name: tokenizer_path(p) for p in pools},
+        num_replicas=replicas,
+    )
+
+
+def build_app(args: dict[str, Any]) -> serve.Application:
+    """RayService entry point. ``args``: {"pools": [PoolSpec fields...], "gateway_replicas": n};
+    gateway and tenancy settings come from LOOM_GATEWAY_* / LOOM_TENANCY_* environment variables."""
+    pools = [PoolSpec(**p) for p in args.get("pools", [{}])]
+    return gateway_app(pools, GatewaySettings(), TenancySettings(), int(args.get("gateway_replicas", 1)))

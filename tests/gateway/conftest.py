@@ -1,0 +1,184 @@
+"""Gateway fixtures: one real Ray + Serve per session, real engine replicas (a tiny random model and
+the embedded SmolLM2), the real gateway over a loopback socket, tenants in the real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import redis
+
+from gateway.catalog import Catalog
+from gateway.client import LoomClient
+from gateway.pools import ServeEnginePool
+from gateway.server import GatewayServer
+from gateway.settings import GatewaySettings
+from loom.app import PoolSpec, engine_app
+from loom.settings import EngineSettings
+from tenancy import RedisTenantStore, Tenancy, TenancySettings
+from tenancy.models import Quotas, Tenant
+from worker.api import load_tokenizer
+from worker.random_model import random_checkpoint, save_hf_dir
+
+SECRET = "gateway-test-secret-0123456789abcdef"
+TINY = "tiny"
+SMOL = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def ray_serve() -> Iterator[None]:
+    import ray
+    from ray import serve
+    from ray.serve.config import ProxyLocation
+
+    # Logical CPUs: replicas reserve them for scheduling; the 2 real cores are shared anyway.
+    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    serve.start(proxy_location=ProxyLocation.Disabled)
+    yield
+    serve.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_hf_dir(random_checkpoint(), tmp_path_factory.mktemp("models") / TINY)
+
+
+def _tiny_engine(tiny_dir: Path, **kw: Any) -> EngineSettings:
+    base: dict[str, Any] = dict(
+        model_path=str(tiny_dir), block_size=8, kv_cache_memory_mb=8, max_num_seqs=4, num_threads=1
+    )
+    return EngineSettings(**{**base, **kw})
+
+
+def deploy(pool: PoolSpec) -> Any:
+    from ray import serve
+
+    return serve.run(engine_app(pool), name=pool.deployment_name, route_prefix=None)
+
+
+@pytest.fixture(scope="session")
+def engine_handles(ray_serve: None, tiny_dir: Path) -> dict[str, Any]:
+    """Deployments: tiny (shared), smol (shared), vip (a dedicated pool), fragile (for kill tests)."""
+    specs = {
+        "tiny": PoolSpec(name="shared", engine=_tiny_engine(tiny_dir)),
+        "smol": PoolSpec(
+            name="shared", engine=EngineSettings(kv_cache_memory_mb=64, num_threads=1, max_num_seqs=8)
+        ),
+        "vip": PoolSpec(name="vip", engine=_tiny_engine(tiny_dir)),
+    }
+    handles = {}
+    for key, spec in specs.items():
+        from ray import serve
+
+        handles[key] = serve.run(engine_app(spec), name=f"engine-{key}", route_prefix=None)
+    return handles
+
+
+@pytest.fixture(scope="session")
+def tenancy_settings(redis_url: str) -> Iterator[TenancySettings]:
+    prefix = f"loomgw-{uuid.uuid4().hex[:8]}"
+    yield TenancySettings(
+        store="redis", redis_url=redis_url, key_prefix=prefix, secret=SECRET, resync_interval_s=1.0
+    )
+    client = redis.Redis.from_url(redis_url)
+    for key in client.scan_iter(match=f"{prefix}*", count=1000):
+        client.delete(key)
+    client.close()
+
+
+@dataclass
+class Gateway:
+    server: GatewayServer
+    tenancy: Tenancy
+    store: RedisTenantStore
+    handles: dict[str, Any]
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    async def tenant(self, *, models: tuple[str, ...] = ("*",), **fields: Any) -> tuple[Tenant, str]:
+        """A fresh tenant (unlimited unless quotas are given) and an API key the gateway already knows."""
+        quotas = {
+            "requests_per_minute": None,
+            "tokens_per_minute": None,
+            "max_concurrent": None,
+            "max_tokens_per_request": None,
+            "max_prompt_tokens": None,
+            "daily_token_budget": None,
+            "monthly_token_budget": None,
+        }
+        quotas.update(fields.pop("quotas", {}))
+        tenant = Tenant(
+            id=f"t-{uuid.uuid4().hex[:10]}", quotas=Quotas(**quotas), allowed_models=list(models), **fields
+        )
+        self.store.create_tenant(tenant, actor="tests")
+        key = self.store.create_key(tenant.id, actor="tests").plaintext.get_secret_value()
+        await eventually(lambda: self._knows(key))
+        return tenant, key
+
+    def _knows(self, key: str) -> bool:
+        try:
+            self.tenancy.authenticate(key)
+            return True
+        except Exception:
+            return False
+
+    def client(self, key: str | None) -> LoomClient:
+        return LoomClient(self.address, key)
+
+
+async def eventually(predicate: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05) -> None:
+    """Poll until ``predicate`` (sync or async) is truthy; a liveness guard, not a speed assertion."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        result = predicate()
+        if isinstance(result, Awaitable):
+            result = await result
+        if result:
+            return
+        if loop.time() > deadline:
+            raise AssertionError(f"condition not reached within {timeout_s} s")
+        await asyncio.sleep(interval_s)
+
+
+async def start_gateway(
+    handles: dict[str, Any], tenancy_settings: TenancySettings, tiny_dir: Path, **settings: Any
+) -> tuple[GatewayServer, Tenancy]:
+    tenancy = Tenancy.from_settings(tenancy_settings)
+    await tenancy.start()
+    tiny_tok, smol_tok = load_tokenizer(tiny_dir), load_tokenizer(None)
+    catalog = await Catalog.build(
+        [
+            (ServeEnginePool(handles["tiny"], "shared"), tiny_tok),
+            (ServeEnginePool(handles["smol"], "shared"), smol_tok),
+            (ServeEnginePool(handles["vip"], "vip"), tiny_tok),
+        ]
+    )
+    gw_settings = GatewaySettings(port=0, metrics_port=0, drain_grace_s=5.0, **settings)
+    server = await GatewayServer(gw_settings, tenancy, catalog).start()
+    return server, tenancy
+
+
+@pytest.fixture(scope="session")
+async def gateway(
+    engine_handles: dict[str, Any], tenancy_settings: TenancySettings, tiny_dir: Path
+) -> AsyncIterator[Gateway]:
+    server, tenancy = await start_gateway(engine_handles, tenancy_settings, tiny_dir)
+    store = RedisTenantStore.from_settings(tenancy_settings)
+    yield Gateway(server, tenancy, store, engine_handles)
+    await server.stop(grace_s=1.0)
+    await tenancy.stop()
+
+
+async def engine_idle(handle: Any) -> bool:
+    s = await handle.stats.remote()
+    return s["kv_blocks_used"] == 0 and sum(s["running"].values()) == 0 and sum(s["waiting"].values()) == 0

@@ -1,0 +1,52 @@
+"""The request router's choice: load first, prefix affinity while load stays balanced."""
+
+from __future__ import annotations
+
+from worker.request import GenerationRequest, Priority
+from worker.serve_router import Candidate, affinity_key, load_score, rank
+
+
+def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> dict:
+    return {
+        "kv_cache_usage": kv,
+        "running": {"interactive": 0, "standard": running, "batch": 0},
+        "waiting": {"interactive": 0, "standard": 0, "batch": 0, **waiting},
+    }
+
+
+def test_lower_kv_usage_and_queue_rank_first() -> None:
+    busy = load_score(_stats(kv=0.8, standard=3), Priority.STANDARD, 0)
+    idle = load_score(_stats(kv=0.1), Priority.STANDARD, 0)
+    assert rank([Candidate("busy", busy), Candidate("idle", idle)], None) == ["idle", "busy"]
+
+
+def test_waiting_batch_work_does_not_count_against_an_interactive_request() -> None:
+    batch_queue = _stats(kv=0.3, batch=40)
+    std_queue = _stats(kv=0.3, standard=5)
+    empty = _stats(kv=0.3)
+    assert load_score(batch_queue, Priority.INTERACTIVE, 0) == load_score(empty, Priority.INTERACTIVE, 0)
+    assert load_score(batch_queue, Priority.STANDARD, 0) < load_score(std_queue, Priority.STANDARD, 0)
+    assert load_score(batch_queue, Priority.BATCH, 0) > load_score(std_queue, Priority.BATCH, 0)
+
+
+def test_requests_sent_since_the_last_stats_count_as_load() -> None:
+    same = _stats(kv=0.2)
+    assert load_score(same, Priority.STANDARD, 10) > load_score(same, Priority.STANDARD, 0)
+
+
+def test_prefix_affinity_wins_while_balanced_and_yields_when_not() -> None:
+    balanced = [Candidate("a", 0.30), Candidate("b", 0.35)]
+    assert rank(balanced, preferred="b")[0] == "b"
+    skewed = [Candidate("a", 0.10), Candidate("b", 0.90)]
+    assert rank(skewed, preferred="b")[0] == "a"
+    assert rank(skewed, preferred="gone") == ["a", "b"]
+
+
+def test_affinity_key_is_per_tenant_and_per_prefix() -> None:
+    def key(salt: bytes, ids: list[int]) -> bytes:
+        return affinity_key(GenerationRequest("r", ids, cache_salt=salt))
+
+    prompt = list(range(300))
+    assert key(b"a", prompt) == key(b"a", prompt[:200] + [7] * 50)  # same first 128 tokens
+    assert key(b"a", prompt) != key(b"b", prompt)
+    assert key(b"a", prompt) != key(b"a", [1, *prompt])

@@ -1,0 +1,132 @@
+"""The engine as a Ray Serve deployment: each replica owns a device, the model, the KV cache and the
+engine loop, and streams each request's deltas back through ``DeploymentHandle.options(stream=True)``.
+
+A caller that stops consuming (client cancelled, deadline passed) cancels the replica's generator;
+its ``finally`` aborts the request in the engine, so KV blocks are freed at the next step.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+
+from worker.async_engine import AsyncEngine, EngineDeadError
+from worker.engine import EngineConfig, LLMEngine
+from worker.request import GenerationRequest, RequestOutput
+from worker.serve_router import ROUTER_CLASS
+
+log = logging.getLogger(__name__)
+
+# Requests wait in the engine's priority scheduler, never in Serve's FIFO queue in front of it:
+# a replica accepts every request it is sent (up to this many), so an interactive request is never
+# stuck behind a backlog of batch work that Serve is holding back.
+MAX_ONGOING_REQUESTS = 4096
+ROUTING_STATS_PERIOD_S = 1.0
+
+
+class EngineReplica:
+    """One engine replica (a Ray actor managed by Serve)."""
+
+    def __init__(self, engine_config: dict[str, Any], pool: str = "shared") -> None:
+        config = EngineConfig(**engine_config)
+        self.pool = pool
+        self.engine = AsyncEngine(LLMEngine(config)).start()
+        core = self.engine.engine
+        self.info = {
+            "model": core.model_name,
+            "context_length": core.max_model_len,
+            "vocab_size": core.model_config.vocab_size,
+            "pool": pool,
+            "device": str(core.device),
+            "pid": os.getpid(),
+        }
+        log.info("engine replica ready: %s", self.info)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+        stream = self.engine.generate(request)
+        try:
+            async for out in stream:
+                yield out
+        finally:
+            await stream.aclose()  # on cancellation: aborts the request in the engine
+
+    async def model_info(self) -> dict[str, Any]:
+        return dict(self.info)
+
+    async def stats(self) -> dict[str, Any]:
+        return {**self.engine.stats().to_dict(), "pid": os.getpid()}
+
+    async def abort(self, request_id: str) -> None:
+        self.engine.abort(request_id)
+
+    def record_routing_stats(self) -> dict[str, Any]:
+        """Published to the request router (and re-exported as per-replica metrics by gateways)."""
+        s = self.engine.stats()
+        return {
+            "kv_cache_usage": s.kv_cache_usage,
+            "kv_blocks_used": s.kv_blocks_used,
+            "kv_blocks_total": s.kv_blocks_total,
+            "running": s.running,
+            "waiting": s.waiting,
+            "busy_fraction": s.busy_fraction,
+            "num_preemptions": s.num_preemptions,
+            "pid": os.getpid(),
+        }
+
+    def check_health(self) -> None:
+        if not self.engine.alive:
+            raise EngineDeadError("the engine loop is not running")
+
+    def __del__(self) -> None:
+        engine = getattr(self, "engine", None)
+        if engine is not None:
+            engine.shutdown(timeout=2.0)
+
+
+def engine_deployment(
+    engine_config: EngineConfig,
+    *,
+    name: str = "engine",
+    pool: str = "shared",
+    num_replicas: int | str = 1,
+    min_replicas: int = 1,
+    max_replicas: int = 1,
+    num_cpus: float = 1.0,
+    num_gpus: float = 0.0,
+    autoscale: bool = False,
+    target_ongoing_requests: float = 64.0,
+) -> serve.Application:
+    """A bound Serve application of engine replicas, routed by Loom's request router.
+
+    With ``autoscale``, replicas are added when their ongoing requests exceed
+    ``target_ongoing_requests`` on average (a replica's batch size is the natural unit).
+    """
+    options: dict[str, Any] = dict(
+        name=name,
+        max_ongoing_requests=MAX_ONGOING_REQUESTS,
+        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        request_router_config=RequestRouterConfig(
+            request_router_class=ROUTER_CLASS,
+            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
+            request_routing_stats_timeout_s=5.0,
+        ),
+        health_check_period_s=5.0,
+        health_check_timeout_s=30.0,
+        graceful_shutdown_timeout_s=30.0,
+    )
+    if autoscale:
+        options["autoscaling_config"] = AutoscalingConfig(
+            min_replicas=min_replicas,
+            max_replicas=max_replicas,
+            target_ongoing_requests=target_ongoing_requests,
+        )
+    else:
+        options["num_replicas"] = num_replicas
+    deployment = serve.deployment(EngineReplica).options(**options)
+    return deployment.bind(asdict(engine_config), pool)

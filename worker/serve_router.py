@@ -1,0 +1,137 @@
+"""Loom's Ray Serve request router: load- and prefix-aware replica choice for engine replicas.
+
+It runs inside the caller's process (the gateway's DeploymentHandle). Each replica publishes
+``record_routing_stats`` (KV usage, running and waiting requests by priority) every second; between
+two publications the router counts what it has sent each replica itself, so a burst does not pile
+onto the replica that looked idlest at the last publication.
+
+Prefix affinity: requests of one tenant that start with the same tokens go to the replica that
+served that prefix last (its prefix cache holds the blocks), as long as that replica's load is within
+a tolerance of the least loaded one; otherwise load wins and the prefix moves.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from array import array
+from collections import OrderedDict, defaultdict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+
+from worker.request import GenerationRequest, Priority
+
+log = logging.getLogger(__name__)
+
+ROUTER_CLASS = "worker.serve_router:LoomRequestRouter"
+
+AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
+AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
+MAX_AFFINITY_ENTRIES = 50_000
+
+# The latest stats each replica published, by deployment then replica: re-exported as per-replica
+# metrics by the gateway that owns this router (see gateway/metrics.py).
+_published: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
+
+
+def published_replica_stats() -> dict[str, dict[str, dict[str, Any]]]:
+    """``{deployment: {replica id: stats}}`` as last seen by routers in this process."""
+    return {dep: dict(reps) for dep, reps in _published.items()}
+
+
+def load_score(stats: Mapping[str, Any], priority: Priority, sent_since_stats: int) -> float:
+    """Lower is better: KV pressure plus the work queued at or above this request's class."""
+    if not stats:
+        return 0.5 + 0.05 * sent_since_stats  # unknown yet: neither preferred nor avoided
+    waiting = stats.get("waiting") or {}
+    ahead = sum(n for name, n in waiting.items() if Priority[name.upper()] <= priority)
+    running = sum((stats.get("running") or {}).values())
+    return float(stats.get("kv_cache_usage", 0.0)) + 0.05 * (ahead + sent_since_stats) + 0.002 * running
+
+
+def affinity_key(request: GenerationRequest) -> bytes:
+    head = request.prompt_token_ids[:AFFINITY_TOKENS]
+    return hashlib.blake2b(request.cache_salt + array("q", head).tobytes(), digest_size=12).digest()
+
+
+@dataclass(frozen=True)
+class Candidate:
+    replica_id: str
+    score: float
+
+
+def rank(
+    candidates: list[Candidate], preferred: str | None, tolerance: float = AFFINITY_TOLERANCE
+) -> list[str]:
+    """Replica ids best first: the prefix's replica if its load is close enough, then by load."""
+    ordered = sorted(candidates, key=lambda c: (c.score, c.replica_id))
+    if preferred is not None and ordered:
+        best = ordered[0].score
+        for i, c in enumerate(ordered):
+            if c.replica_id == preferred and c.score <= best + tolerance:
+                ordered.insert(0, ordered.pop(i))
+                break
+    return [c.replica_id for c in ordered]
+
+
+def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
+    if pending is None:
+        return None
+    for arg in (*pending.args, *pending.kwargs.values()):
+        if isinstance(arg, GenerationRequest):
+            return arg
+    return None
+
+
+class LoomRequestRouter(FIFOMixin, RequestRouter):
+    def initialize_state(self, **kwargs: Any) -> None:
+        self._affinity: OrderedDict[bytes, str] = OrderedDict()
+        self._sent: dict[str, int] = defaultdict(int)
+        self._stats_seen: dict[str, int] = {}
+
+    def _deployment_name(self) -> str:
+        return getattr(self._deployment_id, "name", "engine")
+
+    def update_replicas(self, replicas: list[RunningReplica]) -> None:
+        super().update_replicas(replicas)
+        live = {}
+        for r in replicas:
+            rid = r.replica_id.unique_id
+            stats = r.routing_stats or {}
+            live[rid] = dict(stats)
+            if self._stats_seen.get(rid) != id(stats):  # fresh publication: reset our own count
+                self._stats_seen[rid] = id(stats)
+                self._sent[rid] = 0
+        _published[self._deployment_name()] = live
+
+    async def choose_replicas(
+        self,
+        candidate_replicas: list[RunningReplica],
+        pending_request: PendingRequest | None = None,
+    ) -> list[list[RunningReplica]]:
+        if not candidate_replicas:
+            return []
+        request = _request_of(pending_request)
+        priority = request.priority if request is not None else Priority.STANDARD
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        scored = [
+            Candidate(rid, load_score(r.routing_stats or {}, priority, self._sent[rid]))
+            for rid, r in by_id.items()
+        ]
+        preferred = self._affinity.get(affinity_key(request)) if request is not None else None
+        return [[by_id[rid]] for rid in rank(scored, preferred)]
+
+    def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
+        rid = replica_id.unique_id
+        self._sent[rid] += 1
+        request = _request_of(pending_request)
+        if request is None:
+            return
+        key = affinity_key(request)
+        self._affinity[key] = rid
+        self._affinity.move_to_end(key)
+        while len(self._affinity) > MAX_AFFINITY_ENTRIES:
+            self._affinity.popitem(last=False)
