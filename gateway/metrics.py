@@ -46,14 +46,27 @@ REFUSALS = Counter(
 AUTH_REFUSALS = Counter("loom:gateway_unauthenticated", "Calls refused for a missing or bad API key.")
 
 
-class EngineCollector(Collector):
-    """Per-replica engine gauges from the stats each replica publishes to the request router."""
+ReplicaRow = tuple[str, str, str, dict[str, Any]]  # (pool, model, replica id, published stats)
 
-    def __init__(self, sources: Callable[[], dict[str, dict[str, dict[str, Any]]]]) -> None:
-        self._sources = sources  # {pool: {replica: stats}}
+
+class EngineCollector(Collector):
+    """Per-replica engine gauges from the stats each replica publishes to the request router.
+
+    One collector per process; every running gateway adds a source (its catalog's pools) and removes
+    it when it stops. A replica seen by two gateways in one process is reported once.
+    """
+
+    def __init__(self) -> None:
+        self._sources: dict[int, Callable[[], list[ReplicaRow]]] = {}
+
+    def add_source(self, key: int, source: Callable[[], list[ReplicaRow]]) -> None:
+        self._sources[key] = source
+
+    def remove_source(self, key: int) -> None:
+        self._sources.pop(key, None)
 
     def collect(self) -> Iterator[Metric]:
-        labels = ["pool", "replica"]
+        labels = ["pool", "model", "replica"]
         running = GaugeMetricFamily(
             "loom:num_requests_running", "Requests in the engine's batch.", labels=labels
         )
@@ -69,11 +82,13 @@ class EngineCollector(Collector):
         preempt = CounterMetricFamily(
             "loom:num_preemptions", "Sequences preempted (recomputed).", labels=labels
         )
-        for pool, replicas in self._sources().items():
-            for replica, s in replicas.items():
-                if not s:
+        seen: set[tuple[str, str, str]] = set()
+        for source in list(self._sources.values()):
+            for pool, model, replica, s in source():
+                if not s or (pool, model, replica) in seen:
                     continue
-                key = [pool, replica]
+                seen.add((pool, model, replica))
+                key = [pool, model, replica]
                 running.add_metric(key, float(sum((s.get("running") or {}).values())))
                 for prio, n in (s.get("waiting") or {}).items():
                     waiting.add_metric([*key, prio], float(n))
@@ -81,6 +96,10 @@ class EngineCollector(Collector):
                 busy.add_metric(key, float(s.get("busy_fraction", 0.0)))
                 preempt.add_metric(key, float(s.get("num_preemptions", 0)))
         yield from (running, waiting, kv, busy, preempt)
+
+
+ENGINE = EngineCollector()
+REGISTRY.register(ENGINE)
 
 
 def start_metrics_server(host: str, port: int) -> Any:

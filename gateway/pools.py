@@ -78,9 +78,9 @@ class ServeEnginePool:
     # after output has been streamed the request fails with UNAVAILABLE, its usage counted.
     RETRIES_BEFORE_OUTPUT = 2
 
-    def __init__(self, handle: Any, name: str = "shared", deployment: str | None = None) -> None:
+    def __init__(self, handle: Any, name: str = "shared") -> None:
         self.name = name
-        self.deployment = deployment or handle.deployment_name
+        self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
         self._stream = handle.options(stream=True)
 

@@ -13,12 +13,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import REGISTRY
 
 from gateway.api import SERVICE_NAME, pb, pb_grpc
 from gateway.auth import AuthInterceptor
 from gateway.catalog import Catalog
-from gateway.metrics import AUTH_REFUSALS, EngineCollector, start_metrics_server
+from gateway.metrics import AUTH_REFUSALS, ENGINE, ReplicaRow, start_metrics_server
 from gateway.service import InferenceService
 from gateway.settings import GatewaySettings
 from tenancy import Tenancy
@@ -38,7 +37,6 @@ class GatewayServer:
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
-        self._collector = EngineCollector(lambda: {p.name: p.replica_stats() for p in catalog.pools()})
         self._metrics_server: Any = None
 
     @property
@@ -49,6 +47,13 @@ class GatewayServer:
     def metrics_port(self) -> int | None:
         return self._metrics_server.server_port if self._metrics_server is not None else None
 
+    def _replica_rows(self) -> list[ReplicaRow]:
+        return [
+            (r.pool.name, r.model, replica, stats)
+            for r in self.catalog.routes
+            for replica, stats in r.pool.replica_stats().items()
+        ]
+
     async def start(self) -> GatewayServer:
         s = self.settings
         server = grpc.aio.server(
@@ -58,14 +63,8 @@ class GatewayServer:
         )
         pb_grpc.add_InferenceServicer_to_server(InferenceService(self.tenancy, self.catalog, s), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            [
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ],
-            server,
-        )
+        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+        reflection.enable_server_reflection([SERVICE_NAME, health_name, reflection.SERVICE_NAME], server)
         target = f"{s.host}:{s.port}"
         if s.tls_cert_file and s.tls_key_file:
             creds = grpc.ssl_server_credentials(
@@ -78,14 +77,25 @@ class GatewayServer:
             self.port = server.add_insecure_port(target)
         if not self.port:
             raise OSError(f"cannot listen on {target}")
-        await server.start()
-        self._server = server
-        await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-        REGISTRY.register(self._collector)
         if s.metrics_port is not None:
             self._metrics_server = start_metrics_server(s.metrics_host, s.metrics_port)
+        try:
+            await server.start()
+            self._server = server
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+        except BaseException:
+            await server.stop(0)
+            self._stop_metrics()
+            raise
+        ENGINE.add_source(id(self), self._replica_rows)
         log.info("gateway listening on %s (%s)", self.address, "TLS" if s.tls_cert_file else "plaintext")
         return self
+
+    def _stop_metrics(self) -> None:
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+            self._metrics_server = None
 
     async def _set_health(self, status: int) -> None:
         for service in ("", SERVICE_NAME):
@@ -104,10 +114,8 @@ class GatewayServer:
         log.info("gateway draining (grace %.0f s)", grace)
         await self._server.stop(grace)
         self._server = None
-        REGISTRY.unregister(self._collector)
-        if self._metrics_server is not None:
-            self._metrics_server.shutdown()
-            self._metrics_server = None
+        ENGINE.remove_source(id(self))
+        self._stop_metrics()
 
 
 __all__ = ["GatewayServer", "pb"]

@@ -73,7 +73,10 @@ def random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor
         "model.norm.weight": norm(c.hidden_size),
     }
     if not c.tie_word_embeddings:
-        w["lm_head.weight"] = mat(c.vocab_size, c.hidden_size) * 4.0
+        head = mat(c.vocab_size, c.hidden_size) * 4.0
+        for eos in c.eos_token_ids:  # a zero logit is never the argmax of 256 random ones: greedy
+            head[eos] = 0.0  # runs go on until max_tokens, like a real model asked for a long answer
+        w["lm_head.weight"] = head
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         w[p + "input_layernorm.weight"] = norm(c.hidden_size)

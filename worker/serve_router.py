@@ -38,7 +38,7 @@ _published: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
 
 
 def published_replica_stats() -> dict[str, dict[str, dict[str, Any]]]:
-    """``{deployment: {replica id: stats}}`` as last seen by routers in this process."""
+    """``{"app/deployment": {replica id: stats}}`` as last seen by the routers in this process."""
     return {dep: dict(reps) for dep, reps in _published.items()}
 
 
@@ -92,8 +92,9 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
         self._sent: dict[str, int] = defaultdict(int)
         self._stats_seen: dict[str, int] = {}
 
-    def _deployment_name(self) -> str:
-        return getattr(self._deployment_id, "name", "engine")
+    def _deployment_key(self) -> str:
+        dep = self._deployment_id
+        return f"{dep.app_name}/{dep.name}"
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
@@ -105,7 +106,11 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
             if self._stats_seen.get(rid) != id(stats):  # fresh publication: reset our own count
                 self._stats_seen[rid] = id(stats)
                 self._sent[rid] = 0
-        _published[self._deployment_name()] = live
+        # Through sys.modules, not this function's globals: Serve ships the router class by value
+        # (cloudpickle), and the unpickled methods get a private copy of the module's globals.
+        import worker.serve_router as registry
+
+        registry._published[self._deployment_key()] = live
 
     async def choose_replicas(
         self,

@@ -60,8 +60,8 @@ async def test_metrics_endpoint_reports_requests_and_engine_gauges(gateway: Gate
     text = scrape()
     assert f'loom:gateway_requests_total{{code="OK",priority="standard",tenant="{tenant.id}"}} 1.0' in text
     assert f'loom:generation_tokens_total{{tenant="{tenant.id}"}} 4.0' in text
-    assert 'loom:num_requests_running{pool="shared"' in text
-    assert 'loom:num_requests_waiting{pool="shared"' in text and 'priority="batch"' in text
+    assert 'loom:num_requests_running{model="tiny",pool="shared"' in text
+    assert 'loom:num_requests_waiting{model="tiny",pool="shared",priority="batch"' in text
     assert "loom:time_to_first_token_seconds_bucket" in text
     assert 'loom:tenancy_quota_mode{mode="redis"} 1.0' in text
 
@@ -77,7 +77,9 @@ async def test_drain_finishes_streams_and_refuses_new_calls(
             first = await call.read()
             stopping = asyncio.create_task(server.stop(grace_s=30.0))
             await asyncio.sleep(0.3)
-            rest = [c async for c in call]
+            rest = []
+            while (chunk := await call.read()) is not grpc.aio.EOF:
+                rest.append(chunk)
             with pytest.raises(grpc.aio.AioRpcError) as refused:
                 await collect(client.generate_call(req(max_tokens=2)))
             await stopping
