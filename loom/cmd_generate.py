@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 import time
 
@@ -16,12 +17,27 @@ from loom.settings import EngineSettings
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="stream a completion for PROMPT")
-    p.add_argument("prompt", help="the prompt text (a user message with --chat)")
     p.add_argument(
-        "--local", action="store_true", help="run the engine in-process instead of calling a server"
+        "prompt", help="the prompt: a user message (the model's chat template applies), or --raw text"
     )
-    p.add_argument("--model", default=None, help="a .gguf file or Hugging Face directory (default: embedded)")
-    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument(
+        "--api-key", default=os.environ.get("LOOM_API_KEY"), help="tenant API key (or LOOM_API_KEY)"
+    )
+    p.add_argument(
+        "--address", default=os.environ.get("LOOM_ADDRESS", "127.0.0.1:50051"), help="gateway host:port"
+    )
+    p.add_argument("--tls-ca", default=None, help="CA certificate of a TLS gateway")
+    p.add_argument("--local", action="store_true", help="run the engine in this process; no server, no key")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="remote: a model id (default: the first listed); --local: a .gguf file or HF directory",
+    )
+    p.add_argument(
+        "--raw", action="store_true", help="send the prompt as raw text, without the chat template"
+    )
+    p.add_argument("--chat", action="store_true", help=argparse.SUPPRESS)  # the default; kept for old scripts
+    p.add_argument("--priority", choices=["interactive", "standard", "batch"], default=None)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)
@@ -62,7 +78,11 @@ async def _run_remote(args: argparse.Namespace) -> int:
         try:
             model = args.model or next(iter(await client.list_models())).id
             final = None
-            async for chunk in client.generate(model, messages=[("user", args.prompt)], **fields):
+            if args.raw:
+                stream = client.generate(model, prompt=args.prompt, **fields)
+            else:
+                stream = client.generate(model, messages=[("user", args.prompt)], **fields)
+            async for chunk in stream:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.HasField("usage"):
@@ -73,7 +93,7 @@ async def _run_remote(args: argparse.Namespace) -> int:
         except StopIteration:
             print("loom generate: this key may use no model", file=sys.stderr)
             return 1
-    sys.stdout.write("\n")
+    print(flush=True)
     if final is not None:
         u = final.usage
         print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]", file=sys.stderr)
@@ -106,11 +126,8 @@ def _run_local(args: argparse.Namespace) -> int:
             flush=True,
         )
         tok = engine.tokenizer
-        ids = (
-            tok.encode_chat([{"role": "user", "content": args.prompt}])
-            if args.chat
-            else tok.encode(args.prompt)
-        )
+        chat = [{"role": "user", "content": args.prompt}]
+        ids = tok.encode(args.prompt) if args.raw else tok.encode_chat(chat)
         engine.add_request(GenerationRequest("cli", ids, sampling))
     except (InvalidRequestError, CheckpointError, UnsupportedModelError, ValueError) as exc:
         print(f"loom generate: {exc}", file=sys.stderr)
@@ -125,7 +142,7 @@ def _run_local(args: argparse.Namespace) -> int:
             if out.finished:
                 final = out
     elapsed = time.monotonic() - t0
-    sys.stdout.write("\n")
+    print(flush=True)
     if final is not None:
         rate = final.completion_tokens / elapsed if elapsed > 0 else 0.0
         print(
