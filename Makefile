@@ -12,7 +12,7 @@ PROMPT ?= Write a haiku about weaving.
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.loom-installed
 
-.PHONY: install run test lint fmt bench-engine clean
+.PHONY: install run generate-local test lint fmt bench-engine clean
 
 install: $(STAMP)
 
@@ -27,7 +27,10 @@ $(STAMP): pyproject.toml Makefile $(wildcard proto/*/*/*.proto)
 	touch $(STAMP)
 
 run: install
-	$(BIN)/loom generate --local --chat --max-tokens 128 "$(PROMPT)"
+	$(BIN)/loom serve
+
+generate-local: install
+	$(BIN)/loom generate --local --max-tokens 128 "$(PROMPT)"
 
 test: install
 	$(BIN)/ruff check .
