@@ -58,6 +58,7 @@ def gateway_deployment(
     name: str = "gateway",
     num_replicas: int = 1,
     num_cpus: float = 0.5,
+    resources: dict[str, float] | None = None,
     runtime_env: dict[str, Any] | None = None,
 ) -> serve.Application:
     """A bound Serve application of gateway replicas in front of the given engine applications.
@@ -66,6 +67,8 @@ def gateway_deployment(
     or ``runtime_env`` here; they are never part of the deployment's arguments.
     """
     actor_options: dict[str, Any] = {"num_cpus": num_cpus}
+    if resources:  # e.g. {"loom_gateway": 1}: one replica per gateway pod on KubeRay
+        actor_options["resources"] = resources
     if runtime_env:
         actor_options["runtime_env"] = runtime_env
     deployment = serve.deployment(GatewayIngress).options(

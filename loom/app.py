@@ -70,6 +70,7 @@ def gateway_app(
     gateway: GatewaySettings,
     tenancy: TenancySettings,
     replicas: int = 1,
+    resources: dict[str, float] | None = None,
 ) -> serve.Application:
     """The gateway deployment bound to one engine deployment per pool."""
     return gateway_deployment(
@@ -78,11 +79,19 @@ def gateway_app(
         {p.name: engine_app(p) for p in pools},
         {p.name: tokenizer_path(p) for p in pools},
         num_replicas=replicas,
+        resources=resources,
     )
 
 
 def build_app(args: dict[str, Any]) -> serve.Application:
-    """RayService entry point. ``args``: {"pools": [PoolSpec fields...], "gateway_replicas": n};
-    gateway and tenancy settings come from LOOM_GATEWAY_* / LOOM_TENANCY_* environment variables."""
+    """RayService entry point. ``args``: {"pools": [PoolSpec fields...], "gateway_replicas": n,
+    "gateway_resources": {"loom_gateway": 1}}; gateway and tenancy settings come from the
+    LOOM_GATEWAY_* / LOOM_TENANCY_* environment variables of the pods."""
     pools = [PoolSpec(**p) for p in args.get("pools", [{}])]
-    return gateway_app(pools, GatewaySettings(), TenancySettings(), int(args.get("gateway_replicas", 1)))
+    return gateway_app(
+        pools,
+        GatewaySettings(),
+        TenancySettings(),
+        int(args.get("gateway_replicas", 1)),
+        args.get("gateway_resources"),
+    )

@@ -1,0 +1,228 @@
+"""What the gateway path costs: one-token completions through three paths to the same engine replica.
+
+* ``engine_inprocess``: an AsyncEngine in this process (no Ray, no gRPC): the engine's own time.
+* ``serve_handle``: a DeploymentHandle stream into the Ray Serve replica (Ray dispatch, no gateway).
+* ``gateway``: a gRPC client over loopback -> the gateway (auth, validation, tokenization, Redis
+  admission, lease, usage accounting) -> the same DeploymentHandle -> the replica.
+
+Requests go one at a time (no queueing), the three paths interleaved round-robin so machine noise
+hits them alike; each is a 1-token greedy completion of a short prompt on a tiny random model, so
+engine time is small and constant. Writes ``gateway.json`` and ``gateway.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import platform
+import statistics
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+RESULTS_DIR = Path(__file__).parent / "results"
+
+
+def _pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    ms = [x * 1e3 for x in xs]
+    return {
+        "p50_ms": round(_pct(ms, 0.5), 3),
+        "p99_ms": round(_pct(ms, 0.99), 3),
+        "mean_ms": round(statistics.fmean(ms), 3),
+    }
+
+
+async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
+    import ray
+    from ray import serve
+    from ray.serve.config import ProxyLocation
+
+    from gateway.api import pb
+    from gateway.catalog import Catalog
+    from gateway.client import LoomClient
+    from gateway.pools import ServeEnginePool
+    from gateway.server import GatewayServer
+    from gateway.settings import GatewaySettings
+    from loom.app import PoolSpec, engine_app
+    from loom.settings import EngineSettings
+    from tenancy import RedisTenantStore, Tenancy, TenancySettings
+    from tenancy.models import Quotas, Tenant
+    from worker.api import AsyncEngine, GenerationRequest, LLMEngine, SamplingParams, load_tokenizer
+    from worker.random_model import random_checkpoint, save_hf_dir
+
+    workdir = Path(tempfile.mkdtemp(prefix="loom-bench-gw-"))
+    model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
+    engine_settings = EngineSettings(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
+
+    log("starting Ray and the engine replica ...")
+    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    serve.start(proxy_location=ProxyLocation.Disabled)
+    handle = serve.run(engine_app(PoolSpec(engine=engine_settings)), name="bench-engine", route_prefix=None)
+    local = AsyncEngine(LLMEngine(engine_settings.engine_config())).start()
+
+    prefix = f"loombench-{uuid.uuid4().hex[:8]}"
+    tenancy_settings = TenancySettings(
+        store="redis", redis_url=redis_url, key_prefix=prefix, secret="bench-secret-0123456789"
+    )
+    store = RedisTenantStore.from_settings(tenancy_settings)
+    unlimited = Quotas(
+        requests_per_minute=None,
+        tokens_per_minute=None,
+        max_concurrent=None,
+        max_tokens_per_request=None,
+        max_prompt_tokens=None,
+        daily_token_budget=None,
+        monthly_token_budget=None,
+    )
+    store.create_tenant(Tenant(id="bench", quotas=unlimited), actor="bench")
+    key = store.create_key("bench", actor="bench").plaintext.get_secret_value()
+    tenancy = Tenancy.from_settings(tenancy_settings)
+    await tenancy.start()
+    tok = load_tokenizer(model_dir)
+    catalog = await Catalog.build([(ServeEnginePool(handle, "shared"), tok)])
+    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
+    client = LoomClient(server.address, key)
+    prompt = "hello loom"
+    ids = tok.encode(prompt)
+    stream = handle.options(stream=True)
+
+    async def inprocess() -> None:
+        async for _ in local.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1))):
+            pass
+
+    async def via_handle() -> None:
+        async for _ in stream.generate.remote(
+            GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1))
+        ):
+            pass
+
+    async def via_gateway() -> None:
+        request = pb.GenerateRequest(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0)
+        async for _ in client.generate_call(request):
+            pass
+
+    paths = {"engine_inprocess": inprocess, "serve_handle": via_handle, "gateway": via_gateway}
+    for fn in paths.values():  # warm-up: connections, JIT paths, caches
+        for _ in range(20):
+            await fn()
+    samples: dict[str, list[float]] = {name: [] for name in paths}
+    log(f"measuring {n} requests per path ...")
+    for _ in range(n):
+        for name, fn in paths.items():
+            t = time.perf_counter()
+            await fn()
+            samples[name].append(time.perf_counter() - t)
+
+    await client.close()
+    await server.stop(grace_s=0)
+    await tenancy.stop()
+    local.shutdown()
+    serve.shutdown()
+    ray.shutdown()
+    import redis
+
+    r = redis.Redis.from_url(redis_url)
+    for k in r.scan_iter(match=f"{prefix}*"):
+        r.delete(k)
+    r.close()
+
+    result = {name: _summary(xs) for name, xs in samples.items()}
+    added = {
+        "gateway_over_serve_handle_p50_ms": round(
+            result["gateway"]["p50_ms"] - result["serve_handle"]["p50_ms"], 3
+        ),
+        "gateway_over_serve_handle_p99_ms": round(
+            result["gateway"]["p99_ms"] - result["serve_handle"]["p99_ms"], 3
+        ),
+        "gateway_over_engine_p50_ms": round(
+            result["gateway"]["p50_ms"] - result["engine_inprocess"]["p50_ms"], 3
+        ),
+        "gateway_over_engine_p99_ms": round(
+            result["gateway"]["p99_ms"] - result["engine_inprocess"]["p99_ms"], 3
+        ),
+    }
+    return {"paths": result, "added": added}
+
+
+def versions() -> dict[str, str]:
+    import grpc
+    import ray
+    import redis
+    import torch
+
+    return {
+        "python": platform.python_version(),
+        "ray": ray.__version__,
+        "grpcio": grpc.__version__,
+        "redis-py": redis.__version__,
+        "torch": torch.__version__,
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    p, a = report["paths"], report["added"]
+    lines = [
+        "# Gateway overhead",
+        "",
+        f"{report['requests']} sequential one-token greedy completions per path (a 10-character prompt, tiny "
+        "random model, one engine replica on CPU), the three paths interleaved round-robin in one run; Redis "
+        f"admission on the local Redis server. Date {report['date']}.",
+        "",
+        "| path | p50 ms | p99 ms | mean ms |",
+        "|---|---:|---:|---:|",
+    ]
+    for name in ("engine_inprocess", "serve_handle", "gateway"):
+        lines.append(
+            f"| {name} | {p[name]['p50_ms']:.2f} | {p[name]['p99_ms']:.2f} | {p[name]['mean_ms']:.2f} |"
+        )
+    lines += [
+        "",
+        "Added by the gateway (gRPC + auth + validation + tokenization + Redis admit/finish) over "
+        f"calling the Serve replica directly: **p50 {a['gateway_over_serve_handle_p50_ms']:.2f} ms**, "
+        f"p99 {a['gateway_over_serve_handle_p99_ms']:.2f} ms. Over the in-process engine "
+        f"(Ray dispatch included): p50 {a['gateway_over_engine_p50_ms']:.2f} ms, "
+        f"p99 {a['gateway_over_engine_p99_ms']:.2f} ms.",
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run_benchmark(
+    n: int = 300,
+    redis_url: str = "redis://127.0.0.1:6379/0",
+    out_dir: Path | None = RESULTS_DIR,
+    log: Any = print,
+) -> dict[str, Any]:
+    report = asyncio.run(_run(n, redis_url, log))
+    report.update(requests=n, date=time.strftime("%Y-%m-%d"), versions=versions())
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "gateway.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "gateway.md").write_text(to_markdown(report))
+    return report
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("gateway", help="latency the gateway adds over calling the engine (about 1 min)")
+    p.add_argument("--requests", type=int, default=300)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import sys
+
+    report = run_benchmark(args.requests, args.redis_url, args.out, log=lambda m: print(m, file=sys.stderr))
+    print(to_markdown(report))
+    return 0
