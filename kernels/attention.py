@@ -9,10 +9,12 @@ last ``q_len`` positions and is causal inside itself. Keys and values are read f
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_kernels import cpu_kernels
 from kernels.dispatch import use_triton
 
 
@@ -80,7 +82,8 @@ class _ReferencePlan:
     """
 
     block_size: int
-    decode_rows: torch.Tensor  # long [D]: query rows of single-token sequences
+    decode_seqs: torch.Tensor  # long [D]: sequences with a single query token
+    decode_rows: torch.Tensor  # long [D]: their query rows
     decode_slots: torch.Tensor  # long [D * L]
     decode_bias: torch.Tensor  # fp32 [D, 1, L]: 0 where a key exists, -inf past the end
     chunks: list[tuple[int, int, torch.Tensor]]  # (first row, q_len, slots [seq_len]) per chunk
@@ -111,6 +114,7 @@ class _ReferencePlan:
         )
         return cls(
             block_size=block_size,
+            decode_seqs=seqs,
             decode_rows=torch.tensor(dec_r, dtype=torch.long, device=device),
             decode_slots=slots.reshape(-1),
             decode_bias=bias[:, None, :],
@@ -145,7 +149,41 @@ def paged_attention(
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
+    if q.device.type == "cpu" and q.dtype == torch.float32 and (compiled := cpu_kernels()) is not None:
+        return _paged_attention_cpu(compiled, q, k_cache, v_cache, meta, scale, out)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)
+
+
+def _paged_attention_cpu(
+    compiled: ModuleType,
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedAttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """Decodes through the compiled CPU kernel (KV read in place, once); chunks as in the reference."""
+    plan = meta.reference_plan(k_cache.shape[1])
+    result = torch.empty(q.shape, dtype=torch.float32) if out is None or not out.is_contiguous() else out
+    if plan.decode_rows.numel():
+        compiled.paged_decode(
+            q.contiguous(),
+            k_cache.contiguous(),
+            v_cache.contiguous(),
+            meta.block_tables.contiguous(),
+            meta.seq_lens.contiguous(),
+            plan.decode_seqs,
+            plan.decode_rows,
+            result,
+            scale,
+        )
+    _chunks_ref(q, k_cache, v_cache, plan, scale, result)
+    if out is not None and out is not result:
+        rows = torch.cat([plan.decode_rows, *(torch.arange(r, r + n) for r, n, _ in plan.chunks)])
+        out[rows] = result[rows]
+        return out
+    return result
 
 
 # Split-KV heuristic (used by the Triton path). A decode program streams one sequence's keys for
@@ -180,13 +218,26 @@ def paged_attention_ref(
     Cache slots past a sequence's length (the tail of its last block, padded table entries) may
     hold anything, NaN included: they are never read (see _ReferencePlan).
     """
-    num_tokens, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
     if out is None:
-        out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     plan = meta.reference_plan(k_cache.shape[1])
 
+    _decodes_ref(q, k_cache, v_cache, plan, scale, out)
+    _chunks_ref(q, k_cache, v_cache, plan, scale, out)
+    return out
+
+
+def _decodes_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _ReferencePlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     num_decodes = plan.decode_rows.numel()
     if num_decodes:
         k = plan.gather("k", k_cache, plan.decode_slots).view(num_decodes, -1, num_kv_heads, head_dim)
@@ -200,6 +251,18 @@ def paged_attention_ref(
             od[:, h] = torch.matmul(torch.softmax(scores, dim=-1), v[:, :, h])
         out[plan.decode_rows] = od.view(num_decodes, num_heads, head_dim).to(q.dtype)
 
+
+def _chunks_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    plan: _ReferencePlan,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
     for row, q_len, slots in plan.chunks:
         seq_len = slots.shape[0]
         k = plan.gather("ck", k_cache, slots).view(seq_len, num_kv_heads, head_dim)
@@ -215,4 +278,3 @@ def paged_attention_ref(
         )  # [kvh, G*q_len, hd]
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[row : row + q_len] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
-    return out

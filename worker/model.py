@@ -21,6 +21,7 @@ from kernels import (
     silu_and_mul,
     write_kv,
 )
+from kernels.cpu_kernels import cpu_kernels
 from worker.dense import Dense
 from worker.model_config import ModelConfig
 
@@ -118,6 +119,8 @@ class LlamaModel:
                     down=dense(take(p + "mlp.down_proj.weight")),
                 )
             )
+        if self.device.type == "cpu":
+            cpu_kernels()  # build (or load) the compiled CPU kernels now, not inside the first request
         inv_freq = rope_inv_freq(config, weights.get("rope_freq_factors"))
         self.cos_sin = build_cos_sin_cache(inv_freq, config.max_position_embeddings).to(self.device)
         self.scale = config.head_dim**-0.5

@@ -1,0 +1,61 @@
+"""The compiled CPU decode kernel (kernels/csrc) vs the torch reference vs float64.
+
+``paged_attention`` on CPU tensors sends decode rows to the compiled kernel and chunk rows to the
+reference; these batches (shuffled block tables, NaN in every slot a sequence does not own, NaN
+output buffers) fail on a wrong block, slot, head or row.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_triton_attention import attention_f64, make_batch, mixed_lens
+from triton_test_utils import rel_err, tol
+
+from kernels.attention import paged_attention, paged_attention_ref
+from kernels.cpu_kernels import cpu_kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def compiled() -> None:
+    assert cpu_kernels() is not None, "the CPU kernels did not build on this machine"
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+@pytest.mark.parametrize("group", [1, 3, 8])
+def test_decodes_match_float64(block_size: int, group: int) -> None:
+    ctx = [0, block_size - 1, block_size, 3 * block_size + 5, 1, 2 * block_size - 1]
+    b = make_batch(block_size * 10 + group, [1] * len(ctx), ctx, block_size, 2, group, 64, torch.float32)
+    out = torch.full(b.q.shape, float("nan"))
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert rel_err(got, attention_f64(b)) < 1e-5
+    assert rel_err(got, paged_attention_ref(b.q, b.k_cache, b.v_cache, b.meta, b.scale)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_caches(dtype: torch.dtype) -> None:
+    b = make_batch(7, [1] * 5, [3, 17, 40, 1, 64], 16, 3, 3, 64, torch.float32)
+    b.k_cache, b.v_cache = b.k_cache.to(dtype), b.v_cache.to(dtype)
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale)
+    assert rel_err(got, attention_f64(b)) < tol(dtype)
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_mixed_batch_decodes_compiled_chunks_reference(block_size: int) -> None:
+    q_lens, ctx = mixed_lens(block_size)
+    b = make_batch(block_size, q_lens, ctx, block_size, 2, 3, 32, torch.float32)
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=torch.full(b.q.shape, float("nan")))
+    assert rel_err(got, attention_f64(b)) < 1e-5
+
+
+def test_odd_head_dim_takes_the_scalar_path() -> None:
+    b = make_batch(3, [1, 1, 1], [5, 20, 33], 8, 1, 4, 24, torch.float32)
+    assert rel_err(paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale), attention_f64(b)) < 1e-5
+
+
+def test_strided_query_view() -> None:
+    b = make_batch(11, [1, 1], [9, 30], 8, 2, 2, 64, torch.float32)
+    wide = torch.cat([b.q, torch.randn_like(b.q)], dim=-1)[..., :64]  # non-contiguous, like a QKV slice
+    assert not wide.is_contiguous()
+    assert rel_err(paged_attention(wide, b.k_cache, b.v_cache, b.meta, b.scale), attention_f64(b)) < 1e-5
