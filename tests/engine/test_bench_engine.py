@@ -17,7 +17,7 @@ def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path
         max_num_seqs=3,
         max_output=12,
         hf=True,
-        roofline_batch=4,
+        roofline_points=[(2, 16), (4, 8)],
         out_dir=tmp_path,
         log=lambda _: None,
     )
@@ -33,5 +33,7 @@ def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path
         "continuous_over_hf_static",
     }
     assert saved["roofline"]["step_over_roofline"] > 0
+    assert len(saved["roofline_points"]) == 2
+    assert saved["roofline"] in saved["roofline_points"]
     assert "| continuous |" in (tmp_path / "engine.md").read_text()
     assert not (tmp_path / "engine.partial.json").exists()
