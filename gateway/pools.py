@@ -8,6 +8,7 @@ Both stream ``RequestOutput`` deltas and stop the request in the engine when the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -51,12 +52,10 @@ class LocalEnginePool:
         return PoolModel(core.model_name, core.max_model_len, core.model_config.vocab_size)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(request)
-        try:
+        # Closing this generator closes the engine's stream at once, which aborts the request.
+        async with contextlib.aclosing(self.engine.generate(request)) as stream:
             async for out in stream:
                 yield out
-        finally:
-            await stream.aclose()
 
     def replica_stats(self) -> dict[str, dict[str, Any]]:
         s = self.engine.stats()

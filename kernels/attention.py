@@ -227,6 +227,12 @@ def paged_attention_ref(
     return out
 
 
+def _head_layout(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[int, int, int, int]:
+    """(query heads, head dim, KV heads, query heads per KV head)."""
+    num_heads, num_kv_heads = q.shape[1], k_cache.shape[2]
+    return num_heads, q.shape[2], num_kv_heads, num_heads // num_kv_heads
+
+
 def _decodes_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -235,9 +241,7 @@ def _decodes_ref(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads, head_dim, num_kv_heads, group = _head_layout(q, k_cache)
     num_decodes = plan.decode_rows.numel()
     if num_decodes:
         k = plan.gather("k", k_cache, plan.decode_slots).view(num_decodes, -1, num_kv_heads, head_dim)
@@ -260,9 +264,7 @@ def _chunks_ref(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    num_heads, head_dim = q.shape[1], q.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
+    num_heads, head_dim, num_kv_heads, group = _head_layout(q, k_cache)
     for row, q_len, slots in plan.chunks:
         seq_len = slots.shape[0]
         k = plan.gather("ck", k_cache, slots).view(seq_len, num_kv_heads, head_dim)

@@ -177,6 +177,13 @@ def validate_request_id(request_id: str) -> None:
         )
 
 
+def validate_finish(request_id: str, completion_tokens: int, prompt_tokens: int | None) -> None:
+    """The argument checks every ``finish`` implementation makes before touching any state."""
+    validate_request_id(request_id)
+    if completion_tokens < 0 or (prompt_tokens is not None and prompt_tokens < 0):
+        raise InvalidRequestError("token counts must be >= 0")
+
+
 @runtime_checkable
 class QuotaEnforcer(Protocol):
     """What the gateway needs from admission; implemented by ``RedisAdmission`` and ``LocalAdmission``."""

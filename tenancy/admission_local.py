@@ -26,9 +26,9 @@ from tenancy.admission import (
     QuotaMode,
     Renewal,
     validate_admission_args,
+    validate_finish,
     validate_request_id,
 )
-from tenancy.errors import InvalidRequestError
 from tenancy.models import DailyUsage, Tenant
 
 
@@ -274,9 +274,7 @@ class LocalAdmission:
         prompt_tokens: int | None = None,
         outcome: Outcome = Outcome.OK,
     ) -> FinishResult:
-        validate_request_id(request_id)
-        if completion_tokens < 0 or (prompt_tokens is not None and prompt_tokens < 0):
-            raise InvalidRequestError("token counts must be >= 0")
+        validate_finish(request_id, completion_tokens, prompt_tokens)
         limits = self._limits_for(tenant)
         with self._lock:
             now = self._clock()

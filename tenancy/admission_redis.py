@@ -43,10 +43,10 @@ from tenancy.admission import (
     QuotaMode,
     Renewal,
     validate_admission_args,
+    validate_finish,
     validate_request_id,
 )
 from tenancy.admission_local import LocalAdmission
-from tenancy.errors import InvalidRequestError
 from tenancy.models import Tenant
 from tenancy.redis_client import async_client
 from tenancy.redis_layout import RedisLayout
@@ -416,9 +416,7 @@ class RedisAdmission:
         prompt_tokens: int | None = None,
         outcome: Outcome = Outcome.OK,
     ) -> FinishResult:
-        validate_request_id(request_id)
-        if completion_tokens < 0 or (prompt_tokens is not None and prompt_tokens < 0):
-            raise InvalidRequestError("token counts must be >= 0")
+        validate_finish(request_id, completion_tokens, prompt_tokens)
         outcome = Outcome(outcome)
         key = (tenant.id, request_id)
         if key in self._local_ids:

@@ -139,3 +139,31 @@ def new_tenant(tenant: Tenant) -> Tenant:
     """``tenant`` stamped for creation (timestamps set, version reset)."""
     now = utcnow()
     return tenant.model_copy(update={"created_at": now, "updated_at": now, "version": 0})
+
+
+class KeyRotation:
+    """``rotate_key`` for the stores (they provide ``get_key``, ``revoke_key``, ``_put_key``, ``_hasher``)."""
+
+    _hasher: Any
+
+    def get_key(self, key_id: str) -> ApiKey:
+        raise NotImplementedError
+
+    def revoke_key(self, key_id: str, *, actor: str, grace_s: float = 0.0) -> ApiKey:
+        raise NotImplementedError
+
+    def _put_key(self, key: ApiKey, *, actor: str, action: str, changes: Mapping[str, Any]) -> None:
+        raise NotImplementedError
+
+    def rotate_key(self, key_id: str, *, actor: str, grace_s: float = 3600.0) -> IssuedKey:
+        """A new key for the same tenant; the old one keeps working for ``grace_s`` (overlap)."""
+        old = self.get_key(key_id)
+        issued = self._hasher.issue(old.tenant_id, name=old.name, created_by=actor, expires_at=old.expires_at)
+        self._put_key(
+            issued.record,
+            actor=actor,
+            action="key.rotate",
+            changes={**key_summary(issued.record), "replaces": old.key_id},
+        )
+        self.revoke_key(key_id, actor=actor, grace_s=grace_s)
+        return issued

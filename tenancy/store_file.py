@@ -45,7 +45,7 @@ from tenancy.models import (
     utcnow,
     validate_tenant_id,
 )
-from tenancy.store import apply_changes, diff, key_summary, new_tenant
+from tenancy.store import KeyRotation, apply_changes, diff, key_summary, new_tenant
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
-class FileTenantStore:
+class FileTenantStore(KeyRotation):
     """Admin operations on the tenants file (see :class:`tenancy.store.TenantAdmin`)."""
 
     def __init__(self, path: Path, hasher: KeyHasher) -> None:
@@ -311,18 +311,6 @@ class FileTenantStore:
             revoked, actor=actor, action="key.revoke", changes={"revoked_at": [before, at.isoformat()]}
         )
         return revoked
-
-    def rotate_key(self, key_id: str, *, actor: str, grace_s: float = 3600.0) -> IssuedKey:
-        old = self.get_key(key_id)
-        issued = self._hasher.issue(old.tenant_id, name=old.name, created_by=actor, expires_at=old.expires_at)
-        self._put_key(
-            issued.record,
-            actor=actor,
-            action="key.rotate",
-            changes={**key_summary(issued.record), "replaces": old.key_id},
-        )
-        self.revoke_key(key_id, actor=actor, grace_s=grace_s)
-        return issued
 
     # -- usage and audit ----------------------------------------------------------------------------
     def usage(self, tenant_id: str, days: int = 30) -> list[DailyUsage]:

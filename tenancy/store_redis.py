@@ -43,7 +43,7 @@ from tenancy.models import (
 from tenancy.redis_client import sync_client
 from tenancy.redis_layout import RedisLayout
 from tenancy.settings import TenancySettings
-from tenancy.store import apply_changes, diff, key_summary, new_tenant
+from tenancy.store import KeyRotation, apply_changes, diff, key_summary, new_tenant
 
 CONFIG_LUA = resources.files("tenancy").joinpath("lua/config.lua").read_text(encoding="utf-8")
 _UPDATE_ATTEMPTS = 8
@@ -71,7 +71,7 @@ def parse_usage(tenant_id: str, raw: Mapping[Any, Any], days: list[str]) -> list
     return [DailyUsage(tenant_id=tenant_id, day=d, **counts[d]) for d in days]
 
 
-class RedisTenantStore:
+class RedisTenantStore(KeyRotation):
     """Admin operations on the Redis tenant store (see :class:`tenancy.store.TenantAdmin`)."""
 
     def __init__(
@@ -273,19 +273,6 @@ class RedisTenantStore:
             changes={"revoked_at": [_iso(key.revoked_at), _iso(at)]},
         )
         return revoked
-
-    def rotate_key(self, key_id: str, *, actor: str, grace_s: float = 3600.0) -> IssuedKey:
-        """A new key for the same tenant; the old one keeps working for ``grace_s`` (overlap)."""
-        old = self.get_key(key_id)
-        issued = self._hasher.issue(old.tenant_id, name=old.name, created_by=actor, expires_at=old.expires_at)
-        self._put_key(
-            issued.record,
-            actor=actor,
-            action="key.rotate",
-            changes={**key_summary(issued.record), "replaces": old.key_id},
-        )
-        self.revoke_key(key_id, actor=actor, grace_s=grace_s)
-        return issued
 
     # -- reads for caches and tools ----------------------------------------------------------------
     def config_version(self) -> int:

@@ -7,6 +7,7 @@ its ``finally`` aborts the request in the engine, so KV blocks are freed at the 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -49,12 +50,10 @@ class EngineReplica:
         log.info("engine replica ready: %s", self.info)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        stream = self.engine.generate(request)
-        try:
+        # Closing this generator closes the engine's stream at once, which aborts the request.
+        async with contextlib.aclosing(self.engine.generate(request)) as stream:
             async for out in stream:
                 yield out
-        finally:
-            await stream.aclose()  # on cancellation: aborts the request in the engine
 
     async def model_info(self) -> dict[str, Any]:
         return dict(self.info)
