@@ -75,6 +75,8 @@ class EngineReplica:
             "waiting": s.waiting,
             "busy_fraction": s.busy_fraction,
             "num_preemptions": s.num_preemptions,
+            "finished_requests": s.finished_requests,
+            "prefix_cache_hits": s.prefix_cache_hits,
             "pid": os.getpid(),
         }
 

@@ -261,3 +261,49 @@ async def test_gateway_runs_as_a_serve_deployment(
         assert [m.id for m in models] == [TINY]
     finally:
         await asyncio.to_thread(serve.delete, "gateway-in-serve")
+
+
+@pytest.fixture(scope="module")
+def pair(ray_serve: None, tiny_dir: Path) -> Any:
+    """Two replicas of one engine deployment, routed by Loom's request router."""
+    from ray import serve
+
+    spec = PoolSpec(name="shared", replicas=2, engine=_tiny_engine(tiny_dir, max_num_seqs=8))
+    handle = serve.run(engine_app(spec), name="engine-pair", route_prefix=None)
+    yield handle
+    serve.delete("engine-pair")
+
+
+async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
+    gateway: Gateway, pair: Any, tenancy_settings: TenancySettings, tiny_dir: Path
+) -> None:
+    from worker.api import published_replica_stats
+
+    tenancy = Tenancy.from_settings(tenancy_settings)
+    await tenancy.start()
+    catalog = await Catalog.build([(ServeEnginePool(pair, "shared"), load_tokenizer(tiny_dir))])
+    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
+    (_, key_a), (_, key_b) = await gateway.tenant(), await gateway.tenant()
+    prompt = "A shared system prompt that many requests of this tenant start with. " * 2
+    try:
+        async with LoomClient(server.address, key_a) as a, LoomClient(server.address, key_b) as b:
+            first = (await collect(a.generate_call(req(prompt=prompt, max_tokens=2))))[3]
+            repeats = [
+                (await collect(a.generate_call(req(prompt=prompt, max_tokens=2))))[3] for _ in range(5)
+            ]
+            # A burst of unrelated work from another tenant lands on both replicas.
+            await asyncio.gather(
+                *(collect(b.generate_call(req(prompt=f"job {i} " * 20, max_tokens=60))) for i in range(16))
+            )
+        assert first.usage.cached_prompt_tokens == 0
+        # Same tenant, same prefix: every repeat found the prefix on the replica that computed it.
+        assert all(r.usage.cached_prompt_tokens >= first.usage.prompt_tokens - 8 for r in repeats)
+
+        def both_served() -> bool:
+            stats = published_replica_stats().get("engine-pair/engine-shared", {})
+            return len(stats) == 2 and all(s.get("finished_requests", 0) > 0 for s in stats.values())
+
+        await eventually(both_served, timeout_s=15)
+    finally:
+        await server.stop(grace_s=0)
+        await tenancy.stop()
