@@ -8,6 +8,7 @@ Both stream ``RequestOutput`` deltas and stop the request in the engine when the
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -106,6 +107,7 @@ class ServeEnginePool:
             except lost as exc:
                 if not delivered and attempt < self.RETRIES_BEFORE_OUTPUT:
                     attempt += 1
+                    await asyncio.sleep(0.5 * attempt)  # let Serve mark the replica dead or replace it
                     log.warning(
                         "replica lost before output (%s); retrying request %s", exc, request.request_id
                     )

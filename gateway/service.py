@@ -23,6 +23,7 @@ from gateway.catalog import Catalog, ModelRoute
 from gateway.errors import GatewayError, abort, invalid_argument
 from gateway.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REFUSALS, REQUESTS, TPOT, TTFT
 from gateway.pools import WorkerLostError
+from gateway.resume import resumable_stream
 from gateway.settings import GatewaySettings
 from gateway.validation import ValidRequest, validate
 from tenancy import Limit, Tenancy, TenancyError, Tenant
@@ -197,7 +198,7 @@ class InferenceService(pb_grpc.InferenceServicer):
         delivered = 0
         async with self.tenancy.admission.hold(tenant, admission) as lease:
             try:
-                async for out in p.route.pool.generate(p.request):
+                async for out in resumable_stream(p.route.pool, p.request, p.route.tokenizer):
                     now = time.monotonic()
                     if out.token_ids:
                         if first_token_at is None:
