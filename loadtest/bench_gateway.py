@@ -74,16 +74,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
         store="redis", redis_url=redis_url, key_prefix=prefix, secret="bench-secret-0123456789"
     )
     store = RedisTenantStore.from_settings(tenancy_settings)
-    unlimited = Quotas(
-        requests_per_minute=None,
-        tokens_per_minute=None,
-        max_concurrent=None,
-        max_tokens_per_request=None,
-        max_prompt_tokens=None,
-        daily_token_budget=None,
-        monthly_token_budget=None,
-    )
-    store.create_tenant(Tenant(id="bench", quotas=unlimited), actor="bench")
+    store.create_tenant(Tenant(id="bench", quotas=Quotas.unlimited()), actor="bench")
     key = store.create_key("bench", actor="bench").plaintext.get_secret_value()
     tenancy = Tenancy.from_settings(tenancy_settings)
     await tenancy.start()

@@ -97,6 +97,11 @@ class Quotas(_Frozen):
     daily_token_budget: int | None = Field(default=None, ge=1, description="Per UTC day.")
     monthly_token_budget: int | None = Field(default=None, ge=1, description="Per UTC calendar month.")
 
+    @classmethod
+    def unlimited(cls) -> Quotas:
+        """No limit at all (tests, benchmarks, trusted internal tenants)."""
+        return cls(**dict.fromkeys(cls.model_fields))
+
     @model_validator(mode="after")
     def _coherent(self) -> Quotas:
         problems: list[str] = []

@@ -141,8 +141,9 @@ def new_tenant(tenant: Tenant) -> Tenant:
     return tenant.model_copy(update={"created_at": now, "updated_at": now, "version": 0})
 
 
-class KeyRotation:
-    """``rotate_key`` for the stores (they provide ``get_key``, ``revoke_key``, ``_put_key``, ``_hasher``)."""
+class SharedAdminCommands:
+    """The admin commands both stores implement the same way, on top of their own primitives
+    (``get_key``, ``revoke_key``, ``_put_key``, ``_update`` and the ``_hasher``)."""
 
     _hasher: Any
 
@@ -154,6 +155,16 @@ class KeyRotation:
 
     def _put_key(self, key: ApiKey, *, actor: str, action: str, changes: Mapping[str, Any]) -> None:
         raise NotImplementedError
+
+    def _update(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str, action: str) -> Tenant:
+        raise NotImplementedError
+
+    def update_tenant(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str) -> Tenant:
+        return self._update(tenant_id, changes, actor=actor, action="tenant.update")
+
+    def set_status(self, tenant_id: str, status: TenantStatus, *, actor: str) -> Tenant:
+        action = "tenant.suspend" if status is TenantStatus.SUSPENDED else "tenant.activate"
+        return self._update(tenant_id, {"status": status}, actor=actor, action=action)
 
     def rotate_key(self, key_id: str, *, actor: str, grace_s: float = 3600.0) -> IssuedKey:
         """A new key for the same tenant; the old one keeps working for ``grace_s`` (overlap)."""

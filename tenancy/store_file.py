@@ -39,13 +39,12 @@ from tenancy.models import (
     IssuedKey,
     Priority,
     Tenant,
-    TenantStatus,
     describe_validation_error,
     parse_tenant,
     utcnow,
     validate_tenant_id,
 )
-from tenancy.store import KeyRotation, apply_changes, diff, key_summary, new_tenant
+from tenancy.store import SharedAdminCommands, apply_changes, diff, key_summary, new_tenant
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +136,7 @@ def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         raise
 
 
-class FileTenantStore(KeyRotation):
+class FileTenantStore(SharedAdminCommands):
     """Admin operations on the tenants file (see :class:`tenancy.store.TenantAdmin`)."""
 
     def __init__(self, path: Path, hasher: KeyHasher) -> None:
@@ -215,13 +214,6 @@ class FileTenantStore(KeyRotation):
 
     def list_tenants(self) -> list[Tenant]:
         return sorted((e.tenant for e in self._read()[1].values()), key=lambda t: t.id)
-
-    def update_tenant(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str) -> Tenant:
-        return self._update(tenant_id, changes, actor=actor, action="tenant.update")
-
-    def set_status(self, tenant_id: str, status: TenantStatus, *, actor: str) -> Tenant:
-        action = "tenant.suspend" if status is TenantStatus.SUSPENDED else "tenant.activate"
-        return self._update(tenant_id, {"status": status}, actor=actor, action=action)
 
     def _update(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str, action: str) -> Tenant:
         validate_tenant_id(tenant_id)

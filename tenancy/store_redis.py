@@ -35,7 +35,6 @@ from tenancy.models import (
     DailyUsage,
     IssuedKey,
     Tenant,
-    TenantStatus,
     parse_tenant,
     utcnow,
     validate_tenant_id,
@@ -43,7 +42,7 @@ from tenancy.models import (
 from tenancy.redis_client import sync_client
 from tenancy.redis_layout import RedisLayout
 from tenancy.settings import TenancySettings
-from tenancy.store import KeyRotation, apply_changes, diff, key_summary, new_tenant
+from tenancy.store import SharedAdminCommands, apply_changes, diff, key_summary, new_tenant
 
 CONFIG_LUA = resources.files("tenancy").joinpath("lua/config.lua").read_text(encoding="utf-8")
 _UPDATE_ATTEMPTS = 8
@@ -71,7 +70,7 @@ def parse_usage(tenant_id: str, raw: Mapping[Any, Any], days: list[str]) -> list
     return [DailyUsage(tenant_id=tenant_id, day=d, **counts[d]) for d in days]
 
 
-class RedisTenantStore(KeyRotation):
+class RedisTenantStore(SharedAdminCommands):
     """Admin operations on the Redis tenant store (see :class:`tenancy.store.TenantAdmin`)."""
 
     def __init__(
@@ -180,13 +179,6 @@ class RedisTenantStore(KeyRotation):
 
     def list_tenants(self) -> list[Tenant]:
         return sorted((e.tenant for e in self.load_entries()), key=lambda t: t.id)
-
-    def update_tenant(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str) -> Tenant:
-        return self._update(tenant_id, changes, actor=actor, action="tenant.update")
-
-    def set_status(self, tenant_id: str, status: TenantStatus, *, actor: str) -> Tenant:
-        action = "tenant.suspend" if status is TenantStatus.SUSPENDED else "tenant.activate"
-        return self._update(tenant_id, {"status": status}, actor=actor, action=action)
 
     def _update(self, tenant_id: str, changes: Mapping[str, Any], *, actor: str, action: str) -> Tenant:
         for _ in range(_UPDATE_ATTEMPTS):

@@ -4,6 +4,7 @@ the embedded SmolLM2), the real gateway over a loopback socket, tenants in the r
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -106,19 +107,8 @@ class Gateway:
 
     async def tenant(self, *, models: tuple[str, ...] = ("*",), **fields: Any) -> tuple[Tenant, str]:
         """A fresh tenant (unlimited unless quotas are given) and an API key the gateway already knows."""
-        quotas = {
-            "requests_per_minute": None,
-            "tokens_per_minute": None,
-            "max_concurrent": None,
-            "max_tokens_per_request": None,
-            "max_prompt_tokens": None,
-            "daily_token_budget": None,
-            "monthly_token_budget": None,
-        }
-        quotas.update(fields.pop("quotas", {}))
-        tenant = Tenant(
-            id=f"t-{uuid.uuid4().hex[:10]}", quotas=Quotas(**quotas), allowed_models=list(models), **fields
-        )
+        quotas = Quotas.unlimited().model_copy(update=fields.pop("quotas", {}))
+        tenant = Tenant(id=f"t-{uuid.uuid4().hex[:10]}", quotas=quotas, allowed_models=list(models), **fields)
         self.store.create_tenant(tenant, actor="tests")
         key = self.store.create_key(tenant.id, actor="tests").plaintext.get_secret_value()
         await eventually(lambda: self._knows(key))
@@ -166,6 +156,22 @@ async def start_gateway(
     gw_settings = GatewaySettings(port=0, metrics_port=0, drain_grace_s=5.0, **settings)
     server = await GatewayServer(gw_settings, tenancy, catalog).start()
     return server, tenancy
+
+
+@contextlib.asynccontextmanager
+async def private_gateway(
+    handle: Any, tenancy_settings: TenancySettings, tiny_dir: Path
+) -> AsyncIterator[GatewayServer]:
+    """A gateway of its own in front of one engine deployment (for tests that break or load it)."""
+    tenancy = Tenancy.from_settings(tenancy_settings)
+    await tenancy.start()
+    catalog = await Catalog.build([(ServeEnginePool(handle, "shared"), load_tokenizer(tiny_dir))])
+    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
+    try:
+        yield server
+    finally:
+        await server.stop(grace_s=0)
+        await tenancy.stop()
 
 
 @pytest.fixture(scope="session")

@@ -18,16 +18,21 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from gateway.api import SERVICE_NAME, pb
-from gateway.catalog import Catalog
 from gateway.client import LoomClient
-from gateway.pools import ServeEnginePool
-from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from loom.app import PoolSpec, engine_app
-from tenancy import Tenancy, TenancySettings
-from tests.gateway.conftest import SECRET, TINY, Gateway, _tiny_engine, engine_idle, eventually, start_gateway
+from tenancy import TenancySettings
+from tests.gateway.conftest import (
+    SECRET,
+    TINY,
+    Gateway,
+    _tiny_engine,
+    engine_idle,
+    eventually,
+    private_gateway,
+    start_gateway,
+)
 from tests.gateway.test_gateway_e2e import collect, req
-from worker.api import load_tokenizer
 
 
 async def test_health_and_reflection(gateway: Gateway) -> None:
@@ -198,13 +203,9 @@ def fragile(ray_serve: None, tiny_dir: Path) -> Any:
 async def test_stream_survives_a_killed_worker(
     gateway: Gateway, fragile: Any, tenancy_settings: TenancySettings, tiny_dir: Path
 ) -> None:
-    tenancy = Tenancy.from_settings(tenancy_settings)
-    await tenancy.start()
-    catalog = await Catalog.build([(ServeEnginePool(fragile, "shared"), load_tokenizer(tiny_dir))])
-    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
     tenant, key = await gateway.tenant(quotas={"max_concurrent": 1})
     request = req(prompt="the replica may die", max_tokens=300, temperature=0.0, stop=[])
-    try:
+    async with private_gateway(fragile, tenancy_settings, tiny_dir) as server:
         async with LoomClient(server.address, key) as client:
             _, want_text, want_ids, _ = await collect(client.generate_call(request))
             chunks = []
@@ -225,9 +226,6 @@ async def test_stream_survives_a_killed_worker(
         usage = gateway.store.usage(tenant.id, days=1)[0]
         assert usage.completion_tokens == 600 and usage.errors == 0
         assert await engine_idle(fragile)
-    finally:
-        await server.stop(grace_s=0)
-        await tenancy.stop()
 
 
 def _usage_requests(gateway: Gateway, tenant_id: str, n: int) -> bool:
@@ -289,13 +287,9 @@ async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
 ) -> None:
     from worker.api import published_replica_stats
 
-    tenancy = Tenancy.from_settings(tenancy_settings)
-    await tenancy.start()
-    catalog = await Catalog.build([(ServeEnginePool(pair, "shared"), load_tokenizer(tiny_dir))])
-    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
     (_, key_a), (_, key_b) = await gateway.tenant(), await gateway.tenant()
     prompt = "A shared system prompt that many requests of this tenant start with. " * 2
-    try:
+    async with private_gateway(pair, tenancy_settings, tiny_dir) as server:
         async with LoomClient(server.address, key_a) as a, LoomClient(server.address, key_b) as b:
             first = (await collect(a.generate_call(req(prompt=prompt, max_tokens=2))))[3]
             repeats = [
@@ -314,6 +308,3 @@ async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
             return len(stats) == 2 and all(s.get("finished_requests", 0) > 0 for s in stats.values())
 
         await eventually(both_served, timeout_s=15)
-    finally:
-        await server.stop(grace_s=0)
-        await tenancy.stop()
