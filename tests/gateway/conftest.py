@@ -3,11 +3,10 @@ the embedded SmolLM2), the real gateway over a loopback socket, tenants in the r
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from loom.app import PoolSpec, engine_app
 from loom.settings import EngineSettings
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
+from tests.helpers import eventually
 from worker.api import load_tokenizer
 from worker.random_model import random_checkpoint, save_hf_dir
 
@@ -111,7 +111,7 @@ class Gateway:
         tenant = Tenant(id=f"t-{uuid.uuid4().hex[:10]}", quotas=quotas, allowed_models=list(models), **fields)
         self.store.create_tenant(tenant, actor="tests")
         key = self.store.create_key(tenant.id, actor="tests").plaintext.get_secret_value()
-        await eventually(lambda: self._knows(key))
+        await eventually(lambda: self._knows(key), timeout_s=20)
         return tenant, key
 
     def _knows(self, key: str) -> bool:
@@ -123,21 +123,6 @@ class Gateway:
 
     def client(self, key: str | None) -> LoomClient:
         return LoomClient(self.address, key)
-
-
-async def eventually(predicate: Callable[[], Any], timeout_s: float = 20.0, interval_s: float = 0.05) -> None:
-    """Poll until ``predicate`` (sync or async) is truthy; a liveness guard, not a speed assertion."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = predicate()
-        if isinstance(result, Awaitable):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s} s")
-        await asyncio.sleep(interval_s)
 
 
 async def start_gateway(

@@ -6,6 +6,7 @@ import uuid
 from typing import Any
 
 from tenancy.models import Quotas, Tenant
+from tests.helpers import eventually  # noqa: F401  (re-exported for the tenancy tests)
 
 TEST_SECRET = "test-server-secret-0123456789abcdef"
 
@@ -18,28 +19,6 @@ def make_tenant(tenant_id: str | None = None, **quota_overrides: Any) -> Tenant:
 
 def rid() -> str:
     return f"req-{uuid.uuid4().hex}"
-
-
-async def eventually(predicate: Any, *, timeout_s: float = 10.0, interval_s: float = 0.02) -> None:
-    """Poll ``predicate`` (sync or async) until it is truthy; fail after a generous ``timeout_s``.
-
-    A liveness guard for things that happen asynchronously (a pub/sub message, a lease lapse), not a
-    speed assertion: the timeout is far above the expected delay.
-    """
-    import asyncio
-    import inspect
-
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while True:
-        result = predicate()
-        if inspect.isawaitable(result):
-            result = await result
-        if result:
-            return
-        if loop.time() > deadline:
-            raise AssertionError(f"condition not reached within {timeout_s} s")
-        await asyncio.sleep(interval_s)
 
 
 def hammer_process(
