@@ -15,8 +15,6 @@ from gateway.pools import EnginePool
 from tenancy import Tenant
 from worker.api import Tokenizer
 
-SHARED_POOL = "shared"
-
 
 @dataclass(frozen=True)
 class ModelRoute:
@@ -42,9 +40,6 @@ class Catalog:
     @property
     def routes(self) -> list[ModelRoute]:
         return list(self._routes.values())
-
-    def pools(self) -> list[EnginePool]:
-        return list({id(r.pool): r.pool for r in self._routes.values()}.values())
 
     def visible_to(self, tenant: Tenant) -> list[ModelRoute]:
         return [

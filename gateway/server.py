@@ -14,7 +14,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from gateway.api import SERVICE_NAME, pb, pb_grpc
+from gateway.api import SERVICE_NAME, pb_grpc
 from gateway.auth import AuthInterceptor
 from gateway.catalog import Catalog
 from gateway.metrics import AUTH_REFUSALS, ENGINE, ReplicaRow, start_metrics_server
@@ -116,6 +116,3 @@ class GatewayServer:
         self._server = None
         ENGINE.remove_source(id(self))
         self._stop_metrics()
-
-
-__all__ = ["GatewayServer", "pb"]

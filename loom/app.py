@@ -16,9 +16,8 @@ from gateway.serve_ingress import gateway_deployment
 from gateway.settings import GatewaySettings
 from loom.settings import EngineSettings
 from tenancy import TenancySettings
+from tenancy.models import SHARED_POOL
 from worker.serve_engine import engine_deployment
-
-SHARED_POOL = "shared"
 
 
 class PoolSpec(BaseModel):
