@@ -24,12 +24,12 @@ class ModelRoute:
     tokenizer: Tokenizer
 
 
-class Catalog:
+class ModelCatalog:
     def __init__(self, routes: list[ModelRoute]) -> None:
         self._routes = {(r.pool.name, r.model): r for r in routes}
 
     @classmethod
-    async def build(cls, pools: list[tuple[EnginePool, Tokenizer]]) -> Catalog:
+    async def build(cls, pools: list[tuple[EnginePool, Tokenizer]]) -> ModelCatalog:
         """Ask each pool what model it serves; each comes with that model's tokenizer."""
         routes = []
         for pool, tokenizer in pools:

@@ -14,6 +14,8 @@ from prometheus_client import REGISTRY, Counter, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from worker.api import EngineStats
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 REQUESTS = Counter(
@@ -46,7 +48,7 @@ REFUSALS = Counter(
 AUTH_REFUSALS = Counter("loom:gateway_unauthenticated", "Calls refused for a missing or bad API key.")
 
 
-ReplicaRow = tuple[str, str, str, dict[str, Any]]  # (pool, model, replica id, published stats)
+ReplicaRow = tuple[str, str, str, EngineStats]  # (pool, model, replica id, published stats)
 
 
 class EngineCollector(Collector):
@@ -85,16 +87,16 @@ class EngineCollector(Collector):
         seen: set[tuple[str, str, str]] = set()
         for source in list(self._sources.values()):
             for pool, model, replica, s in source():
-                if not s or (pool, model, replica) in seen:
+                if (pool, model, replica) in seen:
                     continue
                 seen.add((pool, model, replica))
                 key = [pool, model, replica]
-                running.add_metric(key, float(sum((s.get("running") or {}).values())))
-                for prio, n in (s.get("waiting") or {}).items():
-                    waiting.add_metric([*key, prio], float(n))
-                kv.add_metric(key, float(s.get("kv_cache_usage", 0.0)))
-                busy.add_metric(key, float(s.get("busy_fraction", 0.0)))
-                preempt.add_metric(key, float(s.get("num_preemptions", 0)))
+                running.add_metric(key, float(s.num_running))
+                for prio, n in s.waiting.items():
+                    waiting.add_metric([*key, prio.value], float(n))
+                kv.add_metric(key, s.kv_cache_usage)
+                busy.add_metric(key, s.busy_fraction)
+                preempt.add_metric(key, float(s.num_preemptions))
         yield from (running, waiting, kv, busy, preempt)
 
 

@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from worker.api import AsyncEngine, GenerationRequest, RequestOutput, published_replica_stats
+from worker.api import AsyncEngine, EngineStats, GenerationRequest, ReplicaStatsRegistry, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ class EnginePool(Protocol):
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]: ...
+    def replica_stats(self) -> dict[str, EngineStats]: ...
 
 
 class LocalEnginePool:
@@ -58,17 +58,8 @@ class LocalEnginePool:
             async for out in stream:
                 yield out
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        s = self.engine.stats()
-        return {
-            "local": {
-                "kv_cache_usage": s.kv_cache_usage,
-                "running": s.running,
-                "waiting": s.waiting,
-                "busy_fraction": s.busy_fraction,
-                "num_preemptions": s.num_preemptions,
-            }
-        }
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return {"local": self.engine.stats()}
 
 
 class ServeEnginePool:
@@ -78,8 +69,9 @@ class ServeEnginePool:
     # after output has been streamed the request fails with UNAVAILABLE, its usage counted.
     RETRIES_BEFORE_OUTPUT = 2
 
-    def __init__(self, handle: Any, name: str = "shared") -> None:
+    def __init__(self, handle: Any, name: str, stats: ReplicaStatsRegistry) -> None:
         self.name = name
+        self._stats = stats
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
         self._stream = handle.options(stream=True)
@@ -117,5 +109,5 @@ class ServeEnginePool:
                 if not finished:
                     response.cancel()  # the replica's generator is cancelled: it aborts the request
 
-    def replica_stats(self) -> dict[str, dict[str, Any]]:
-        return published_replica_stats().get(self.deployment, {})
+    def replica_stats(self) -> dict[str, EngineStats]:
+        return self._stats.replicas(self.deployment)

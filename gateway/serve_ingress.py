@@ -12,12 +12,12 @@ from typing import Any
 
 from ray import serve
 
-from gateway.catalog import Catalog
+from gateway.catalog import ModelCatalog
 from gateway.pools import ServeEnginePool
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from tenancy import Tenancy, TenancySettings
-from worker.api import load_tokenizer
+from worker.api import load_tokenizer, process_registry
 
 log = logging.getLogger(__name__)
 
@@ -32,8 +32,11 @@ class GatewayIngress:
     ) -> None:
         self.tenancy = Tenancy.from_settings(TenancySettings(**tenancy_settings))
         await self.tenancy.start()
-        catalog = await Catalog.build(
-            [(ServeEnginePool(h, name), load_tokenizer(tokenizer_paths[name])) for name, h in pools.items()]
+        catalog = await ModelCatalog.build(
+            [
+                (ServeEnginePool(h, name, process_registry()), load_tokenizer(tokenizer_paths[name]))
+                for name, h in pools.items()
+            ]
         )
         self.server = await GatewayServer(GatewaySettings(**gateway_settings), self.tenancy, catalog).start()
 

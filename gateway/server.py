@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from gateway.api import SERVICE_NAME, pb_grpc
 from gateway.auth import AuthInterceptor
-from gateway.catalog import Catalog
+from gateway.catalog import ModelCatalog
 from gateway.metrics import AUTH_REFUSALS, ENGINE, ReplicaRow, start_metrics_server
 from gateway.service import InferenceService
 from gateway.settings import GatewaySettings
@@ -30,7 +30,7 @@ def _read(path: str) -> bytes:
 
 
 class GatewayServer:
-    def __init__(self, settings: GatewaySettings, tenancy: Tenancy, catalog: Catalog) -> None:
+    def __init__(self, settings: GatewaySettings, tenancy: Tenancy, catalog: ModelCatalog) -> None:
         self.settings = settings
         self.tenancy = tenancy
         self.catalog = catalog

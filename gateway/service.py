@@ -19,7 +19,7 @@ import grpc
 
 from gateway.api import pb, pb_grpc
 from gateway.auth import current_principal
-from gateway.catalog import Catalog, ModelRoute
+from gateway.catalog import ModelCatalog, ModelRoute
 from gateway.errors import GatewayError, abort, invalid_argument
 from gateway.metrics import E2E, GENERATION_TOKENS, PROMPT_TOKENS, REFUSALS, REQUESTS, TPOT, TTFT
 from gateway.pools import WorkerLostError
@@ -32,7 +32,6 @@ from worker.api import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
-    Priority,
     SamplingParams,
     TemplateError,
 )
@@ -62,7 +61,7 @@ class _Prepared:
 
 
 class InferenceService(pb_grpc.InferenceServicer):
-    def __init__(self, tenancy: Tenancy, catalog: Catalog, settings: GatewaySettings) -> None:
+    def __init__(self, tenancy: Tenancy, catalog: ModelCatalog, settings: GatewaySettings) -> None:
         self.tenancy = tenancy
         self.catalog = catalog
         self.settings = settings
@@ -128,7 +127,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             prompt_token_ids=ids,
             sampling=sampling,
             tenant=tenant.id,
-            priority=Priority[priority.name],
+            priority=priority,
             weight=tenant.weight,
             cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
         )

@@ -38,7 +38,7 @@ import redis
 
 from tenancy.admission_local import LocalAdmission
 from tenancy.admission_redis import RedisAdmission
-from tenancy.directory import Catalog, TenantDirectory, TenantEntry
+from tenancy.directory import TenantCatalog, TenantDirectory, TenantEntry
 from tenancy.keys import KeyHasher
 from tenancy.models import Quotas, Tenant
 from tenancy.settings import TenancySettings
@@ -198,7 +198,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 
     hasher = KeyHasher(b"bench-secret-0123456789abcdef")
     issued = hasher.issue(tenant.id)
-    directory = TenantDirectory(hasher, Catalog.build([TenantEntry(tenant, (issued.record,))]))
+    directory = TenantDirectory(hasher, TenantCatalog.build([TenantEntry(tenant, (issued.record,))]))
     token = f"Bearer {issued.plaintext.get_secret_value()}"
 
     async def authenticate(i: int) -> None:

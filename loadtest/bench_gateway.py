@@ -47,7 +47,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     from ray.serve.config import ProxyLocation
 
     from gateway.api import pb
-    from gateway.catalog import Catalog
+    from gateway.catalog import ModelCatalog
     from gateway.client import LoomClient
     from gateway.pools import ServeEnginePool
     from gateway.server import GatewayServer
@@ -56,7 +56,14 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     from loom.settings import EngineSettings
     from tenancy import RedisTenantStore, Tenancy, TenancySettings
     from tenancy.models import Quotas, Tenant
-    from worker.api import AsyncEngine, GenerationRequest, LLMEngine, SamplingParams, load_tokenizer
+    from worker.api import (
+        AsyncEngine,
+        GenerationRequest,
+        LLMEngine,
+        SamplingParams,
+        load_tokenizer,
+        process_registry,
+    )
     from worker.random_model import random_checkpoint, save_hf_dir
 
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-gw-"))
@@ -79,7 +86,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     tenancy = Tenancy.from_settings(tenancy_settings)
     await tenancy.start()
     tok = load_tokenizer(model_dir)
-    catalog = await Catalog.build([(ServeEnginePool(handle, "shared"), tok)])
+    catalog = await ModelCatalog.build([(ServeEnginePool(handle, "shared", process_registry()), tok)])
     server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
     client = LoomClient(server.address, key)
     prompt = "hello loom"

@@ -111,12 +111,12 @@ async def _serve(
     import ray
     from ray import serve
 
-    from gateway.catalog import Catalog
+    from gateway.catalog import ModelCatalog
     from gateway.pools import ServeEnginePool
     from gateway.server import GatewayServer
     from loom.app import PoolSpec, engine_app, gateway_app, tokenizer_path
     from tenancy import Tenancy
-    from worker.api import load_tokenizer
+    from worker.api import load_tokenizer, process_registry
 
     started = time.monotonic()
     engine = EngineSettings(model_path=args.model) if args.model else EngineSettings()
@@ -150,8 +150,8 @@ async def _serve(
         tokenizers = {p.name: await asyncio.to_thread(load_tokenizer, tokenizer_path(p)) for p in pools}
         tenancy = Tenancy.from_settings(tenancy_settings)  # type: ignore[arg-type]
         await tenancy.start()
-        catalog = await Catalog.build(
-            [(ServeEnginePool(h, name), tokenizers[name]) for name, h in handles.items()]
+        catalog = await ModelCatalog.build(
+            [(ServeEnginePool(h, name, process_registry()), tokenizers[name]) for name, h in handles.items()]
         )
         server = await GatewayServer(gateway, tenancy, catalog).start()  # type: ignore[arg-type]
         address = server.address

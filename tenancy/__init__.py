@@ -24,14 +24,14 @@ from tenancy.admission import (
 )
 from tenancy.admission_local import LocalAdmission
 from tenancy.admission_redis import RedisAdmission
-from tenancy.directory import Catalog, TenantDirectory, TenantEntry
+from tenancy.directory import TenantCatalog, TenantDirectory, TenantEntry
 from tenancy.errors import (
     AuthenticationError,
-    InvalidRequestError,
     ModelNotAllowedError,
     PermissionDeniedError,
     RequestTooLargeError,
     StoreUnavailableError,
+    TenancyArgumentError,
     TenancyError,
     TenantNotFoundError,
     TenantSuspendedError,
@@ -64,13 +64,11 @@ __all__ = [
     "ApiKey",
     "AuditEntry",
     "AuthenticationError",
-    "Catalog",
     "DailyUsage",
     "FailureMode",
     "FileTenantStore",
     "FileTenantWatcher",
     "FinishResult",
-    "InvalidRequestError",
     "IssuedKey",
     "KeyHasher",
     "Limit",
@@ -90,10 +88,12 @@ __all__ = [
     "RequestTooLargeError",
     "StoreUnavailableError",
     "Tenancy",
+    "TenancyArgumentError",
     "TenancyError",
     "TenancySettings",
     "Tenant",
     "TenantAdmin",
+    "TenantCatalog",
     "TenantDirectory",
     "TenantEntry",
     "TenantNotFoundError",

@@ -36,7 +36,7 @@ from enum import StrEnum
 from types import TracebackType
 from typing import Protocol, runtime_checkable
 
-from tenancy.errors import InvalidRequestError
+from tenancy.errors import TenancyArgumentError
 from tenancy.models import Quotas, Tenant
 
 log = logging.getLogger(__name__)
@@ -165,14 +165,14 @@ class EffectiveLimits:
 def validate_admission_args(request_id: str, prompt_tokens: int, max_tokens: int) -> None:
     validate_request_id(request_id)
     if not isinstance(prompt_tokens, int) or prompt_tokens < 0:
-        raise InvalidRequestError(f"prompt_tokens must be an integer >= 0, got {prompt_tokens!r}")
+        raise TenancyArgumentError(f"prompt_tokens must be an integer >= 0, got {prompt_tokens!r}")
     if not isinstance(max_tokens, int) or max_tokens < 1:
-        raise InvalidRequestError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
+        raise TenancyArgumentError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
 
 
 def validate_request_id(request_id: str) -> None:
     if not isinstance(request_id, str) or not _REQUEST_ID_RE.match(request_id):
-        raise InvalidRequestError(
+        raise TenancyArgumentError(
             "request_id must be 1-128 characters of letters, digits, '.', '_', ':' or '-'"
         )
 
@@ -181,7 +181,7 @@ def validate_finish(request_id: str, completion_tokens: int, prompt_tokens: int 
     """The argument checks every ``finish`` implementation makes before touching any state."""
     validate_request_id(request_id)
     if completion_tokens < 0 or (prompt_tokens is not None and prompt_tokens < 0):
-        raise InvalidRequestError("token counts must be >= 0")
+        raise TenancyArgumentError("token counts must be >= 0")
 
 
 @runtime_checkable
@@ -235,7 +235,7 @@ class ActiveLease:
         renew_interval_s: float | None = None,
     ) -> None:
         if not admission.granted:
-            raise InvalidRequestError("cannot hold a refused admission")
+            raise TenancyArgumentError("cannot hold a refused admission")
         self._enforcer = enforcer
         self._tenant = tenant
         self.admission = admission

@@ -38,14 +38,14 @@ class TenantEntry:
 
 
 @dataclass(frozen=True, slots=True)
-class Catalog:
+class TenantCatalog:
     """An immutable snapshot: tenants by id and key records by key id."""
 
     tenants: Mapping[str, TenantEntry] = field(default_factory=dict)
     keys: Mapping[str, ApiKey] = field(default_factory=dict)
 
     @classmethod
-    def build(cls, entries: Iterable[TenantEntry]) -> Catalog:
+    def build(cls, entries: Iterable[TenantEntry]) -> TenantCatalog:
         tenants: dict[str, TenantEntry] = {}
         keys: dict[str, ApiKey] = {}
         for entry in entries:
@@ -59,15 +59,15 @@ class Catalog:
 class TenantDirectory:
     """Authenticates API keys and serves tenant configs from the cached catalog."""
 
-    def __init__(self, hasher: KeyHasher, catalog: Catalog | None = None) -> None:
+    def __init__(self, hasher: KeyHasher, catalog: TenantCatalog | None = None) -> None:
         self._hasher = hasher
-        self._catalog = catalog or Catalog()
+        self._catalog = catalog or TenantCatalog()
         self._write_lock = threading.Lock()
         metrics.TENANTS_CACHED.set(len(self._catalog.tenants))
 
     # -- reads (hot path) -----------------------------------------------------------------------
     @property
-    def catalog(self) -> Catalog:
+    def catalog(self) -> TenantCatalog:
         return self._catalog
 
     def __len__(self) -> int:
@@ -118,7 +118,7 @@ class TenantDirectory:
         return {tid: e.version for tid, e in self._catalog.tenants.items()}
 
     # -- writes (watchers) ----------------------------------------------------------------------
-    def replace(self, catalog: Catalog) -> None:
+    def replace(self, catalog: TenantCatalog) -> None:
         """Swap in a whole new catalog (file reload, full resync)."""
         with self._write_lock:
             self._catalog = catalog
@@ -142,7 +142,7 @@ class TenantDirectory:
                 tenants[entry.tenant.id] = entry
                 changed += 1
             if changed:
-                self._catalog = Catalog.build(tenants.values())
+                self._catalog = TenantCatalog.build(tenants.values())
                 metrics.TENANTS_CACHED.set(len(self._catalog.tenants))
             return changed
 

@@ -63,7 +63,7 @@ class RequestTooLargeError(TenancyError):
         self.limit = limit
 
 
-class InvalidRequestError(TenancyError):
+class TenancyArgumentError(TenancyError):
     """Malformed input to the tenancy API (negative token counts, bad request id...)."""
 
     grpc_code = "INVALID_ARGUMENT"

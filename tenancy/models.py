@@ -24,6 +24,7 @@ from pydantic import (
     model_validator,
 )
 
+from common import Priority
 from tenancy.errors import TenantValidationError
 
 TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
@@ -49,26 +50,6 @@ def validate_tenant_id(tenant_id: str) -> str:
             "starting with a letter or digit"
         )
     return tenant_id
-
-
-class Priority(StrEnum):
-    """Scheduling class of a request. Strict between classes: interactive > standard > batch."""
-
-    INTERACTIVE = "interactive"
-    STANDARD = "standard"
-    BATCH = "batch"
-
-    @property
-    def rank(self) -> int:
-        """Higher rank is served first."""
-        return _PRIORITY_RANK[self]
-
-    def capped_at(self, ceiling: Priority) -> Priority:
-        """This priority, lowered to ``ceiling`` if it is above it."""
-        return self if self.rank <= ceiling.rank else ceiling
-
-
-_PRIORITY_RANK = {Priority.BATCH: 0, Priority.STANDARD: 1, Priority.INTERACTIVE: 2}
 
 
 class TenantStatus(StrEnum):
@@ -171,7 +152,7 @@ class Tenant(_Frozen):
     @model_validator(mode="after")
     def _coherent(self) -> Tenant:
         problems: list[str] = []
-        if self.default_priority.rank > self.priority_ceiling.rank:
+        if self.default_priority < self.priority_ceiling:
             problems.append(
                 f"default_priority ({self.default_priority}) is above priority_ceiling "
                 f"({self.priority_ceiling})"

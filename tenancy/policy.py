@@ -7,9 +7,9 @@ requests that could never be admitted (too large for the tenant's limits) from c
 from __future__ import annotations
 
 from tenancy.errors import (
-    InvalidRequestError,
     ModelNotAllowedError,
     RequestTooLargeError,
+    TenancyArgumentError,
     TenantSuspendedError,
 )
 from tenancy.models import Tenant
@@ -27,7 +27,7 @@ def check_request(tenant: Tenant, *, model: str | None, prompt_tokens: int, max_
     if model is not None and not tenant.allows_model(model):
         raise ModelNotAllowedError(tenant.id, model)
     if prompt_tokens < 0 or max_tokens < 1:
-        raise InvalidRequestError(
+        raise TenancyArgumentError(
             f"prompt_tokens must be >= 0 and max_tokens >= 1 (got {prompt_tokens}, {max_tokens})"
         )
     q = tenant.quotas

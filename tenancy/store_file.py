@@ -24,7 +24,7 @@ import yaml
 from pydantic import ValidationError
 
 from tenancy import quota_math as qm
-from tenancy.directory import Catalog, TenantEntry
+from tenancy.directory import TenantCatalog, TenantEntry
 from tenancy.errors import (
     KeyNotFoundError,
     TenantExistsError,
@@ -65,9 +65,9 @@ def usage_path_for(path: Path) -> Path:
     return path.with_name("usage.json")
 
 
-def load_catalog(path: Path) -> Catalog:
+def load_catalog(path: Path) -> TenantCatalog:
     """Parse and validate the tenants file. Raises :class:`TenantValidationError` on any problem."""
-    return Catalog.build(_parse(path.read_text(encoding="utf-8"), str(path))[1])
+    return TenantCatalog.build(_parse(path.read_text(encoding="utf-8"), str(path))[1])
 
 
 def _parse(text: str, where: str) -> tuple[int, list[TenantEntry]]:

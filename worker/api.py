@@ -3,6 +3,7 @@
 Import from here, not from the modules behind it, so the engine's insides can move freely.
 """
 
+from common import Priority
 from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.checkpoint import (
     Checkpoint,
@@ -12,21 +13,22 @@ from worker.checkpoint import (
     load_tokenizer,
 )
 from worker.engine import EngineConfig, LLMEngine
+from worker.limits import LIMITS, RequestLimits, Violation, sampling_violations
 from worker.model_config import UnsupportedModelError
+from worker.replica_stats import ReplicaStatsRegistry, process_registry
 from worker.request import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
-    Priority,
     RequestOutput,
     SamplingParams,
 )
 from worker.scheduler import SchedulingMode
-from worker.serve_router import published_replica_stats
 from worker.stats import EngineStats
 from worker.tokenizer import TemplateError, Tokenizer
 
 __all__ = [
+    "LIMITS",
     "AsyncEngine",
     "Checkpoint",
     "CheckpointError",
@@ -38,14 +40,18 @@ __all__ = [
     "InvalidRequestError",
     "LLMEngine",
     "Priority",
+    "ReplicaStatsRegistry",
+    "RequestLimits",
     "RequestOutput",
     "SamplingParams",
     "SchedulingMode",
     "TemplateError",
     "Tokenizer",
     "UnsupportedModelError",
+    "Violation",
     "embedded_model_path",
     "load_checkpoint",
     "load_tokenizer",
-    "published_replica_stats",
+    "process_registry",
+    "sampling_violations",
 ]

@@ -7,6 +7,7 @@ thread (``AsyncEngine`` runs it in a background thread for asyncio callers).
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -270,8 +271,8 @@ class LLMEngine:
         window_start = max(self._started, now - _BUSY_WINDOW_S)
         busy = sum(min(b, now) - max(a, window_start) for a, b in c.busy if b > window_start)
         return EngineStats(
-            running={p.name.lower(): s.num_running(p) for p in Priority},
-            waiting={p.name.lower(): s.num_waiting(p) for p in Priority},
+            running={p: s.num_running(p) for p in Priority},
+            waiting={p: s.num_waiting(p) for p in Priority},
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
             num_preemptions=s.num_preemptions,
@@ -286,6 +287,7 @@ class LLMEngine:
             finished_requests=c.finished,
             prompt_tokens=c.prompt_tokens,
             generated_tokens=c.generated_tokens,
+            pid=os.getpid(),
         )
 
     # ---- offline convenience -------------------------------------------------------------------

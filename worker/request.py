@@ -5,13 +5,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-
-class Priority(enum.IntEnum):
-    """Strict scheduling classes; a lower value is always served first."""
-
-    INTERACTIVE = 0
-    STANDARD = 1
-    BATCH = 2
+from common import Priority
+from worker.limits import LIMITS, sampling_violations
 
 
 class FinishReason(enum.StrEnum):
@@ -45,24 +40,20 @@ class SamplingParams:
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
-            raise InvalidRequestError("max_tokens", f"must be a positive integer, got {self.max_tokens!r}")
-        if not (0.0 <= self.temperature <= 100.0) or self.temperature != self.temperature:
-            raise InvalidRequestError("temperature", f"must be in [0, 100], got {self.temperature!r}")
-        if not (0.0 < self.top_p <= 1.0):
-            raise InvalidRequestError("top_p", f"must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise InvalidRequestError("top_k", f"must be >= 0 (0 disables it), got {self.top_k!r}")
-        if self.seed is not None and not (0 <= self.seed < 2**63):
-            raise InvalidRequestError("seed", f"must be in [0, 2**63), got {self.seed!r}")
-        if any(not s for s in self.stop):
-            raise InvalidRequestError("stop", "stop strings must be non-empty")
-        if len(self.stop) > 16:
-            raise InvalidRequestError("stop", f"at most 16 stop strings, got {len(self.stop)}")
+        bad = sampling_violations(
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+            stop=self.stop,
+        )
+        if bad:
+            raise InvalidRequestError(*bad[0])
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < LIMITS.greedy_below_temperature
 
 
 @dataclass

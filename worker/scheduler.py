@@ -263,7 +263,7 @@ class Scheduler:
                 self.running.append(seq)
 
     def _preempt_key(self, seq: Sequence) -> tuple[int, float, int]:
-        return (int(seq.priority), self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
+        return (seq.priority.order, self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         """Free ``seq``'s blocks now; it waits again and recomputes its tokens when readmitted."""

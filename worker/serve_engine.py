@@ -21,6 +21,7 @@ from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.engine import EngineConfig, LLMEngine
 from worker.request import GenerationRequest, RequestOutput
 from worker.serve_router import ROUTER_CLASS
+from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -58,27 +59,15 @@ class EngineReplica:
     async def model_info(self) -> dict[str, Any]:
         return dict(self.info)
 
-    async def stats(self) -> dict[str, Any]:
-        return {**self.engine.stats().to_dict(), "pid": os.getpid()}
+    async def stats(self) -> EngineStats:
+        return self.engine.stats()
 
     async def abort(self, request_id: str) -> None:
         self.engine.abort(request_id)
 
     def record_routing_stats(self) -> dict[str, Any]:
-        """Published to the request router (and re-exported as per-replica metrics by gateways)."""
-        s = self.engine.stats()
-        return {
-            "kv_cache_usage": s.kv_cache_usage,
-            "kv_blocks_used": s.kv_blocks_used,
-            "kv_blocks_total": s.kv_blocks_total,
-            "running": s.running,
-            "waiting": s.waiting,
-            "busy_fraction": s.busy_fraction,
-            "num_preemptions": s.num_preemptions,
-            "finished_requests": s.finished_requests,
-            "prefix_cache_hits": s.prefix_cache_hits,
-            "pid": os.getpid(),
-        }
+        """Published to the request router (Serve's channel carries plain dicts)."""
+        return self.engine.stats().to_dict()
 
     def check_health(self) -> None:
         if not self.engine.alive:

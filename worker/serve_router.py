@@ -16,13 +16,15 @@ import hashlib
 import logging
 from array import array
 from collections import OrderedDict, defaultdict
-from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from worker.request import GenerationRequest, Priority
+from common import Priority
+from worker.replica_stats import process_registry
+from worker.request import GenerationRequest
+from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -32,24 +34,13 @@ AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
 AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
 MAX_AFFINITY_ENTRIES = 50_000
 
-# The latest stats each replica published, by deployment then replica: re-exported as per-replica
-# metrics by the gateway that owns this router (see gateway/metrics.py).
-_published: dict[str, dict[str, dict[str, Any]]] = defaultdict(dict)
 
-
-def published_replica_stats() -> dict[str, dict[str, dict[str, Any]]]:
-    """``{"app/deployment": {replica id: stats}}`` as last seen by the routers in this process."""
-    return {dep: dict(reps) for dep, reps in _published.items()}
-
-
-def load_score(stats: Mapping[str, Any], priority: Priority, sent_since_stats: int) -> float:
+def load_score(stats: EngineStats | None, priority: Priority, sent_since_stats: int) -> float:
     """Lower is better: KV pressure plus the work queued at or above this request's class."""
-    if not stats:
+    if stats is None:
         return 0.5 + 0.05 * sent_since_stats  # unknown yet: neither preferred nor avoided
-    waiting = stats.get("waiting") or {}
-    ahead = sum(n for name, n in waiting.items() if Priority[name.upper()] <= priority)
-    running = sum((stats.get("running") or {}).values())
-    return float(stats.get("kv_cache_usage", 0.0)) + 0.05 * (ahead + sent_since_stats) + 0.002 * running
+    ahead = stats.waiting_at_or_above(priority)
+    return stats.kv_cache_usage + 0.05 * (ahead + sent_since_stats) + 0.002 * stats.num_running
 
 
 def affinity_key(request: GenerationRequest) -> bytes:
@@ -91,6 +82,8 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
         self._affinity: OrderedDict[bytes, str] = OrderedDict()
         self._sent: dict[str, int] = defaultdict(int)
         self._stats_seen: dict[str, int] = {}
+        self._stats: dict[str, EngineStats] = {}
+        self._registry = process_registry()
 
     def _deployment_key(self) -> str:
         dep = self._deployment_id
@@ -98,19 +91,19 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        live = {}
+        live: dict[str, EngineStats] = {}
         for r in replicas:
             rid = r.replica_id.unique_id
-            stats = r.routing_stats or {}
-            live[rid] = dict(stats)
-            if self._stats_seen.get(rid) != id(stats):  # fresh publication: reset our own count
-                self._stats_seen[rid] = id(stats)
+            raw = r.routing_stats
+            if not raw:
+                continue
+            if self._stats_seen.get(rid) != id(raw):  # a fresh publication: reset our own count
+                self._stats_seen[rid] = id(raw)
                 self._sent[rid] = 0
-        # Through sys.modules, not this function's globals: Serve ships the router class by value
-        # (cloudpickle), and the unpickled methods get a private copy of the module's globals.
-        import worker.serve_router as registry
-
-        registry._published[self._deployment_key()] = live
+                self._stats[rid] = EngineStats.from_dict(raw)
+            live[rid] = self._stats[rid]
+        self._stats = live
+        self._registry.publish(self._deployment_key(), live)
 
     async def choose_replicas(
         self,
@@ -123,7 +116,7 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
         priority = request.priority if request is not None else Priority.STANDARD
         by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         scored = [
-            Candidate(rid, load_score(r.routing_stats or {}, priority, self._sent[rid]))
+            Candidate(rid, load_score(self._stats.get(rid), priority, self._sent[rid]))
             for rid, r in by_id.items()
         ]
         preferred = self._affinity.get(affinity_key(request)) if request is not None else None

@@ -1,15 +1,22 @@
-"""A snapshot of an engine's load, published to routers and metrics."""
+"""A snapshot of one engine's load: what replicas publish to routers, pools and metrics.
+
+It crosses Ray Serve's routing-stats channel, which carries plain dicts, as ``to_dict`` /
+``from_dict``; everywhere else it travels as this typed value.
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+import dataclasses
+from dataclasses import dataclass, field
 from typing import Any
+
+from common import Priority
 
 
 @dataclass(frozen=True)
 class EngineStats:
-    running: dict[str, int] = field(default_factory=dict)  # by priority class name
-    waiting: dict[str, int] = field(default_factory=dict)
+    running: dict[Priority, int] = field(default_factory=dict)
+    waiting: dict[Priority, int] = field(default_factory=dict)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     num_preemptions: int = 0
@@ -24,6 +31,7 @@ class EngineStats:
     finished_requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    pid: int = 0  # the process the engine runs in
 
     @property
     def kv_cache_usage(self) -> float:
@@ -37,7 +45,20 @@ class EngineStats:
     def num_waiting(self) -> int:
         return sum(self.waiting.values())
 
+    def waiting_at_or_above(self, priority: Priority) -> int:
+        """Requests queued that are served no later than ``priority``."""
+        return sum(n for p, n in self.waiting.items() if p <= priority)
+
     def to_dict(self) -> dict[str, Any]:
-        d = asdict(self)
-        d["kv_cache_usage"] = self.kv_cache_usage
+        d = dataclasses.asdict(self)
+        d["running"] = {p.value: n for p, n in self.running.items()}
+        d["waiting"] = {p.value: n for p, n in self.waiting.items()}
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> EngineStats:
+        names = {f.name for f in dataclasses.fields(cls)}
+        values = {k: v for k, v in d.items() if k in names}
+        values["running"] = {Priority(p): n for p, n in (d.get("running") or {}).items()}
+        values["waiting"] = {Priority(p): n for p, n in (d.get("waiting") or {}).items()}
+        return cls(**values)

@@ -93,7 +93,9 @@ def test_context_limit_finishes_with_length(tiny_engine: LLMEngine) -> None:
         ("temperature", lambda e: _req("x", [65], temperature=-1.0)),
         ("top_p", lambda e: _req("x", [65], top_p=0.0)),
         ("top_k", lambda e: _req("x", [65], top_k=-3)),
-        ("stop", lambda e: _req("x", [65], stop=("",))),
+        ("temperature", lambda e: _req("x", [65], temperature=2.5)),  # the gateway's range, not wider
+        ("stop[0]", lambda e: _req("x", [65], stop=("",))),
+        ("stop", lambda e: _req("x", [65], stop=tuple("abcdefghijklmnopq"))),
     ],
 )
 def test_invalid_requests_name_their_field(tiny_engine: LLMEngine, field: str, make: object) -> None:

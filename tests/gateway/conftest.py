@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.catalog import Catalog
+from gateway.catalog import ModelCatalog
 from gateway.client import LoomClient
 from gateway.pools import ServeEnginePool
 from gateway.server import GatewayServer
@@ -24,7 +24,7 @@ from loom.settings import EngineSettings
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tests.helpers import eventually
-from worker.api import load_tokenizer
+from worker.api import load_tokenizer, process_registry
 from worker.random_model import random_checkpoint, save_hf_dir
 
 SECRET = "gateway-test-secret-0123456789abcdef"
@@ -131,11 +131,11 @@ async def start_gateway(
     tenancy = Tenancy.from_settings(tenancy_settings)
     await tenancy.start()
     tiny_tok, smol_tok = load_tokenizer(tiny_dir), load_tokenizer(None)
-    catalog = await Catalog.build(
+    catalog = await ModelCatalog.build(
         [
-            (ServeEnginePool(handles["tiny"], "shared"), tiny_tok),
-            (ServeEnginePool(handles["smol"], "shared"), smol_tok),
-            (ServeEnginePool(handles["vip"], "vip"), tiny_tok),
+            (ServeEnginePool(handles["tiny"], "shared", process_registry()), tiny_tok),
+            (ServeEnginePool(handles["smol"], "shared", process_registry()), smol_tok),
+            (ServeEnginePool(handles["vip"], "vip", process_registry()), tiny_tok),
         ]
     )
     gw_settings = GatewaySettings(port=0, metrics_port=0, drain_grace_s=5.0, **settings)
@@ -150,7 +150,9 @@ async def private_gateway(
     """A gateway of its own in front of one engine deployment (for tests that break or load it)."""
     tenancy = Tenancy.from_settings(tenancy_settings)
     await tenancy.start()
-    catalog = await Catalog.build([(ServeEnginePool(handle, "shared"), load_tokenizer(tiny_dir))])
+    catalog = await ModelCatalog.build(
+        [(ServeEnginePool(handle, "shared", process_registry()), load_tokenizer(tiny_dir))]
+    )
     server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
     try:
         yield server
@@ -172,4 +174,4 @@ async def gateway(
 
 async def engine_idle(handle: Any) -> bool:
     s = await handle.stats.remote()
-    return s["kv_blocks_used"] == 0 and sum(s["running"].values()) == 0 and sum(s["waiting"].values()) == 0
+    return s.kv_blocks_used == 0 and s.num_running == 0 and s.num_waiting == 0

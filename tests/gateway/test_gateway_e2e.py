@@ -9,6 +9,7 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
+from common import Priority
 from gateway.api import pb
 from gateway.errors import RETRY_AFTER_METADATA
 from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually
@@ -251,7 +252,7 @@ async def test_interactive_request_starts_before_a_batch_backlog_drains(gateway:
 
 async def _running(gateway: Gateway, prio: str, n: int) -> bool:
     s = await gateway.handles["tiny"].stats.remote()
-    return s["running"][prio] >= n
+    return s.running.get(Priority(prio), 0) >= n
 
 
 async def test_prefix_cache_hits_within_a_tenant_never_across(gateway: Gateway) -> None:
@@ -269,11 +270,11 @@ async def test_prefix_cache_hits_within_a_tenant_never_across(gateway: Gateway) 
 async def test_dedicated_tenant_uses_its_own_pool(gateway: Gateway) -> None:
     _, key = await gateway.tenant(pool="dedicated", dedicated_pool="vip")
     _, lost_key = await gateway.tenant(pool="dedicated", dedicated_pool="nowhere")
-    before = (await gateway.handles["vip"].stats.remote())["finished_requests"]
+    before = (await gateway.handles["vip"].stats.remote()).finished_requests
     async with gateway.client(key) as client:
         await collect(client.generate_call(req(max_tokens=3)))
         models = await client.list_models()
-    after = (await gateway.handles["vip"].stats.remote())["finished_requests"]
+    after = (await gateway.handles["vip"].stats.remote()).finished_requests
     assert after == before + 1
     assert [(m.id, m.pool) for m in models] == [(TINY, "vip")]
     err = await expect_error(gateway, lost_key, req())

@@ -285,7 +285,7 @@ def pair(ray_serve: None, tiny_dir: Path) -> Any:
 async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
     gateway: Gateway, pair: Any, tenancy_settings: TenancySettings, tiny_dir: Path
 ) -> None:
-    from worker.api import published_replica_stats
+    from worker.api import process_registry
 
     (_, key_a), (_, key_b) = await gateway.tenant(), await gateway.tenant()
     prompt = "A shared system prompt that many requests of this tenant start with. " * 2
@@ -304,7 +304,7 @@ async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
         assert all(r.usage.cached_prompt_tokens >= first.usage.prompt_tokens - 8 for r in repeats)
 
         def both_served() -> bool:
-            stats = published_replica_stats().get("engine-pair/engine-shared", {})
-            return len(stats) == 2 and all(s.get("finished_requests", 0) > 0 for s in stats.values())
+            stats = process_registry().replicas("engine-pair/engine-shared")
+            return len(stats) == 2 and all(s.finished_requests > 0 for s in stats.values())
 
         await eventually(both_served, timeout_s=15)

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-from worker.request import GenerationRequest, Priority
+from common import Priority
+from worker.request import GenerationRequest
 from worker.serve_router import Candidate, affinity_key, load_score, rank
+from worker.stats import EngineStats
 
 
-def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> dict:
-    return {
-        "kv_cache_usage": kv,
-        "running": {"interactive": 0, "standard": running, "batch": 0},
-        "waiting": {"interactive": 0, "standard": 0, "batch": 0, **waiting},
-    }
+def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> EngineStats:
+    return EngineStats(
+        running={Priority.STANDARD: running},
+        waiting={Priority(p): n for p, n in waiting.items()},
+        kv_blocks_used=round(kv * 1000),
+        kv_blocks_total=1000,
+    )
+
+
+def test_stats_survive_serves_dict_channel() -> None:
+    s = _stats(kv=0.25, running=3, batch=4, interactive=1)
+    assert EngineStats.from_dict(s.to_dict()) == s
 
 
 def test_lower_kv_usage_and_queue_rank_first() -> None:

@@ -9,7 +9,7 @@ import pytest
 from tenancy_testlib import TEST_SECRET, dump_prefix
 
 from loom import cmd_admin
-from tenancy.directory import Catalog, TenantDirectory
+from tenancy.directory import TenantCatalog, TenantDirectory
 from tenancy.keys import KeyHasher
 from tenancy.store_redis import RedisTenantStore
 
@@ -72,7 +72,7 @@ def test_admin_cli_full_cycle(admin, settings, redis_client, caplog):
     plaintext = issued["key"]
     assert plaintext.startswith("loom_") and issued["state"] == "active" and issued["expires_at"]
     store = RedisTenantStore.from_settings(settings, KeyHasher(TEST_SECRET.encode()))
-    directory = TenantDirectory(KeyHasher(TEST_SECRET.encode()), Catalog.build(store.load_entries()))
+    directory = TenantDirectory(KeyHasher(TEST_SECRET.encode()), TenantCatalog.build(store.load_entries()))
     assert directory.authenticate(plaintext).tenant_id == "acme"
 
     listed = admin("key", "list", "acme")

@@ -14,7 +14,7 @@ from tenancy_testlib import make_tenant, rid
 
 from tenancy.admission import Limit, Outcome, QuotaMode
 from tenancy.admission_local import LocalAdmission
-from tenancy.errors import InvalidRequestError
+from tenancy.errors import TenancyArgumentError
 from tenancy.models import DailyUsage
 from tenancy.settings import TenancySettings
 from tenancy.store_redis import RedisTenantStore
@@ -236,7 +236,7 @@ async def test_invalid_arguments(make_enforcer):
     enforcer = make_enforcer()
     tenant = make_tenant()
     for args in (("", 1, 1), ("ok", -1, 1), ("ok", 1, 0), ("bad id with spaces", 1, 1), ("x" * 200, 1, 1)):
-        with pytest.raises(InvalidRequestError):
+        with pytest.raises(TenancyArgumentError):
             await enforcer.admit(tenant, *args)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(TenancyArgumentError):
         await enforcer.finish(tenant, "ok", -3)

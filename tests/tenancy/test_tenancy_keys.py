@@ -10,14 +10,14 @@ from datetime import timedelta
 import pytest
 
 import tenancy.keys as keys_module
-from tenancy.directory import Catalog, TenantDirectory, TenantEntry
+from tenancy.directory import TenantCatalog, TenantDirectory, TenantEntry
 from tenancy.errors import AuthenticationError
 from tenancy.keys import KeyHasher, generate_key, load_or_create_secret, parse_key_id, strip_bearer
 from tenancy.models import Tenant, utcnow
 
 
 def _directory(hasher: KeyHasher, *entries: TenantEntry) -> TenantDirectory:
-    return TenantDirectory(hasher, Catalog.build(entries))
+    return TenantDirectory(hasher, TenantCatalog.build(entries))
 
 
 def test_key_format_and_parsing():

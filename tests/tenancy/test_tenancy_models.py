@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from tenancy.errors import (
-    InvalidRequestError,
     ModelNotAllowedError,
     RequestTooLargeError,
+    TenancyArgumentError,
     TenantSuspendedError,
     TenantValidationError,
 )
@@ -61,7 +61,8 @@ def test_priorities_are_capped_by_the_ceiling():
     assert t.effective_priority("interactive") is Priority.STANDARD
     assert t.effective_priority(Priority.BATCH) is Priority.BATCH
     assert t.effective_priority("no-such-class") is Priority.BATCH  # unknown hint: default
-    assert Priority.INTERACTIVE.rank > Priority.STANDARD.rank > Priority.BATCH.rank
+    assert Priority.INTERACTIVE < Priority.STANDARD < Priority.BATCH  # served first is smallest
+    assert sorted([Priority.BATCH, Priority.INTERACTIVE, Priority.STANDARD]) == list(Priority)
 
 
 def test_dedicated_pool():
@@ -83,7 +84,7 @@ def test_policy_checks():
     assert info.value.grpc_code == "INVALID_ARGUMENT" and info.value.field == "prompt_tokens"
     with pytest.raises(RequestTooLargeError):
         check_request(t, model=None, prompt_tokens=1, max_tokens=51)
-    with pytest.raises(InvalidRequestError):
+    with pytest.raises(TenancyArgumentError):
         check_request(t, model=None, prompt_tokens=1, max_tokens=0)
     suspended = t.model_copy(update={"status": TenantStatus.SUSPENDED})
     with pytest.raises(TenantSuspendedError) as denied:

@@ -1,0 +1,39 @@
+"""Where the stats of remote engine replicas are published in a process, and read back.
+
+Loom's request router receives each replica's published ``EngineStats`` from Ray Serve and records
+them here; the gateway's pools and its metrics collector read them from the same registry. Serve
+builds the router itself (from a class it ships by value), so nothing can be passed to it: it
+publishes to :func:`process_registry`, which lives in this module (shipped by reference) and is
+therefore the same object the gateway in that process is handed.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from worker.stats import EngineStats
+
+
+class ReplicaStatsRegistry:
+    """The latest stats per replica, by deployment (``"app/deployment"``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_deployment: dict[str, dict[str, EngineStats]] = {}
+
+    def publish(self, deployment: str, replicas: dict[str, EngineStats]) -> None:
+        """Replace the deployment's view: replicas absent from ``replicas`` are gone."""
+        with self._lock:
+            self._by_deployment[deployment] = dict(replicas)
+
+    def replicas(self, deployment: str) -> dict[str, EngineStats]:
+        with self._lock:
+            return dict(self._by_deployment.get(deployment, {}))
+
+
+_PROCESS_REGISTRY = ReplicaStatsRegistry()
+
+
+def process_registry() -> ReplicaStatsRegistry:
+    """The registry this process's request routers publish to."""
+    return _PROCESS_REGISTRY
