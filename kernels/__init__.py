@@ -1,7 +1,8 @@
 """Loom's kernels: one dispatch point per op (Triton on CUDA, the torch reference on CPU)."""
 
 from kernels.activation import silu_and_mul
-from kernels.attention import PagedAttentionMetadata, paged_attention
+from kernels.attention import paged_attention
+from kernels.attention_metadata import PagedAttentionMetadata
 from kernels.dispatch import force_triton, use_triton
 from kernels.kv_write import write_kv
 from kernels.rmsnorm import rms_norm

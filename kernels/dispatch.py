@@ -8,15 +8,18 @@ the Triton interpreter (``TRITON_INTERPRET=1`` must be set before Triton is firs
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 
 import torch
 
-_forced: bool = os.environ.get("LOOM_FORCE_TRITON", "") not in ("", "0", "false")
+from kernels.settings import KernelSettings
+
+# Read once, at import; force_triton() overrides it in process.
+_forced: bool = KernelSettings().force_triton
 
 
 def triton_forced() -> bool:
+    """Whether the Triton path is forced right now (environment or :func:`force_triton`)."""
     return _forced
 
 

@@ -26,7 +26,7 @@ sequence, rounded up to ``BLOCK_N``); each program writes a normalized partial o
 log-sum-exp (base 2; ``-inf`` for rows that saw no key), and a second kernel merges the splits per
 (token, head). The split count is a runtime argument, so a new count does not compile anew.
 This feeds the GPU when a decode batch has too few (sequence, kv head) pairs to fill it;
-:func:`kernels.attention.choose_num_kv_splits` decides.
+:func:`choose_num_kv_splits` (below) decides.
 
 Precision: under the interpreter (and for fp32 caches) the dots run in fp32 (IEEE, not TF32); on
 a GPU with fp16/bf16 caches they run on tensor cores in the cache dtype with fp32 accumulation,
@@ -41,7 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import PagedAttentionMetadata, choose_num_kv_splits
+from kernels.attention_metadata import PagedAttentionMetadata
 from kernels.triton_common import cast_to, interpreting, next_pow2, num_programs_hint
 
 _NEG_BIG = tl.constexpr(-1.0e30)  # running-max seed: finite, so fully masked tiles never compute inf - inf
@@ -215,6 +215,25 @@ def _merge_splits_kernel(
     )
 
 
+# Split-KV heuristic. A decode program streams one sequence's keys for one KV head; with fewer such
+# programs than the GPU holds in flight, bandwidth sits idle, so long contexts are cut into splits
+# (merged afterwards). Mixed/prefill batches have query tiles enough.
+_SPLIT_TARGET_PROGRAMS_PER_SM = 8  # resident 4-warp programs per SM needed to saturate HBM
+_SPLIT_MIN_KEYS = 256  # below this a split costs more in launch/merge than it saves
+_SPLIT_MAX = 32
+
+
+def choose_num_kv_splits(
+    num_seqs: int, num_kv_heads: int, max_query_len: int, max_seq_len: int, num_sms: int
+) -> int:
+    """Number of KV splits for a batch: 1 (single pass) unless a decode batch underfills the GPU."""
+    if max_query_len != 1 or num_seqs == 0:
+        return 1
+    programs = num_seqs * num_kv_heads
+    want = -(-(_SPLIT_TARGET_PROGRAMS_PER_SM * num_sms) // programs)
+    return max(1, min(want, max_seq_len // _SPLIT_MIN_KEYS, _SPLIT_MAX))
+
+
 def _gpu_tuned(q: torch.Tensor) -> bool:
     """Whether to pick GPU tile shapes and tensor-core dots (the compile check patches this)."""
     return q.is_cuda and not interpreting()
@@ -252,7 +271,7 @@ def paged_attention_triton(
     num_warps: int | None = None,
     num_stages: int | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.attention.paged_attention_ref`.
+    """Same contract as :func:`kernels.attention.paged_attention`.
 
     ``num_splits`` (else ``meta.kv_splits``, else the heuristic) picks single-pass (1) or split-KV;
     ``block_m``/``block_n``/``num_warps``/``num_stages`` override the launch configuration (tests

@@ -8,16 +8,21 @@ interpreter reproduces the reference bit for bit; on a GPU the branch is compile
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.settings import KernelSettings
+
+# Triton picks interpreted or compiled kernels when ``@triton.jit`` decorates them, i.e. when the
+# kernels.triton_* modules are imported; each imports this module first, so the value read here, once,
+# is the one Triton used for them (and cast_to below). Kernel launches then check it for free.
+_INTERPRETING: bool = KernelSettings().triton_interpret
+
 
 def interpreting() -> bool:
-    """True when the kernels run under the Triton interpreter (read at call time, like Triton does)."""
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0", "false")
+    """True when the kernels run under the Triton interpreter (``TRITON_INTERPRET``)."""
+    return _INTERPRETING
 
 
 def next_pow2(n: int) -> int:

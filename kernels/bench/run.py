@@ -166,7 +166,7 @@ class Bench:
 
 def make_paged_batch(b: Bench, m: ModelShape, q_lens: list[int], seq_lens: list[int]):
     """Q, caches and metadata for a batch whose block tables are a random permutation of the cache."""
-    from kernels.attention import PagedAttentionMetadata
+    from kernels.attention_metadata import PagedAttentionMetadata
 
     bs = b.block_size
     need = [-(-n // bs) for n in seq_lens]
@@ -195,8 +195,8 @@ def attention_flops(m: ModelShape, q_lens: list[int], seq_lens: list[int]) -> fl
 
 def bench_decode(b: Bench, m: ModelShape, plan: Plan, sms: int) -> None:
     """Decode batches single-pass and split-KV (the heuristic's count, or 4 where it picks 1)."""
-    from kernels.attention import choose_num_kv_splits, paged_attention_ref
-    from kernels.triton_attention import paged_attention_triton
+    from kernels.attention_ref import paged_attention_ref
+    from kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
 
     scale = m.head_dim**-0.5
     for ctx in plan.decode_contexts:
@@ -243,7 +243,7 @@ def sdpa_baseline_ms(b: Bench, m: ModelShape, n: int) -> float | None:
 
 def bench_prefill(b: Bench, m: ModelShape, plan: Plan) -> None:
     """Whole prompts, a chunk over cached context, and a chunk mixed with decodes in one launch."""
-    from kernels.attention import paged_attention_ref
+    from kernels.attention_ref import paged_attention_ref
     from kernels.triton_attention import paged_attention_triton
 
     scale = m.head_dim**-0.5
@@ -532,8 +532,9 @@ def compile_only(arch: int, quick: bool) -> int:
     ``quick`` (what the test suite runs) compiles the bf16 variants only, without the sweep.
     """
     import kernels.triton_attention as ta
+    from kernels.triton_common import interpreting
 
-    if os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
+    if interpreting():
         print("--compile-only needs TRITON_INTERPRET unset (the interpreter replaces the compiler)")
         return 2
     ta._gpu_tuned = lambda q: True  # pick the GPU tile shapes and tensor-core dots
@@ -570,10 +571,9 @@ def compile_only(arch: int, quick: bool) -> int:
 
 def _drive_wrappers(b: Bench, m: ModelShape, plan: Plan, sms: int, sweep: bool) -> None:
     """Run each wrapper once per launch shape the benchmark uses (launches are only recorded)."""
-    from kernels.attention import choose_num_kv_splits
     from kernels.rotary import build_cos_sin_cache
     from kernels.triton_activation import silu_and_mul_triton
-    from kernels.triton_attention import paged_attention_triton
+    from kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
     from kernels.triton_kv_write import write_kv_triton
     from kernels.triton_rmsnorm import rms_norm_triton
     from kernels.triton_rotary import apply_rotary_triton

@@ -12,7 +12,8 @@ import torch
 from test_triton_attention import attention_f64, make_batch, mixed_lens
 from triton_test_utils import rel_err, tol
 
-from kernels.attention import paged_attention, paged_attention_ref
+from kernels.attention import paged_attention
+from kernels.attention_ref import paged_attention_ref
 from kernels.cpu_kernels import cpu_kernels
 
 

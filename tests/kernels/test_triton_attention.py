@@ -15,8 +15,8 @@ import torch
 from triton_test_utils import DEVICE, poisoned, rel_err, tol
 
 from kernels import PagedAttentionMetadata, force_triton, paged_attention
-from kernels.attention import choose_num_kv_splits, paged_attention_ref
-from kernels.triton_attention import paged_attention_triton
+from kernels.attention_ref import paged_attention_ref
+from kernels.triton_attention import choose_num_kv_splits, paged_attention_triton
 
 
 @dataclass

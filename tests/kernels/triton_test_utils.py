@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
+
+from kernels.settings import KernelSettings
 
 # On a CUDA machine without the interpreter the tests drive the compiled kernels on the GPU;
 # otherwise CPU tensors go through the interpreter (conftest sets TRITON_INTERPRET=1).
-DEVICE = (
-    "cuda" if torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0") else "cpu"
-)
+DEVICE = "cuda" if torch.cuda.is_available() and not KernelSettings().triton_interpret else "cpu"
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
