@@ -28,10 +28,15 @@ from typing import Any
 
 import torch
 
-from worker.checkpoint import Checkpoint, load_checkpoint
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import GenerationRequest, SamplingParams
-from worker.scheduler import SchedulingMode
+from worker.api import (
+    Checkpoint,
+    EngineConfig,
+    GenerationRequest,
+    LLMEngine,
+    SamplingParams,
+    SchedulingMode,
+    load_checkpoint,
+)
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

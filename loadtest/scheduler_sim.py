@@ -9,10 +9,17 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from worker.block_manager import BlockManager
-from worker.request import FinishReason, Priority, SamplingParams
-from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SchedulingMode
-from worker.sequence import Sequence
+from worker.api import (
+    BlockManager,
+    FinishReason,
+    Priority,
+    SamplingParams,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    SchedulingMode,
+    Sequence,
+)
 
 _ids = itertools.count()
 
@@ -70,23 +77,22 @@ class SchedulerSim:
         return rid
 
     def step(self) -> ScheduledBatch:
+        """One step: the real schedule and update, with token 7 standing in for every sample."""
         batch = self.scheduler.schedule()
         self.batches.append(batch)
+        sampled = {}
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             rec = self.requests[seq.request_id]
             if rec.first_scheduled_step is None:
                 rec.first_scheduled_step = self.step_no
-            seq.num_computed_tokens += n
-            self.bm.register_full_blocks(seq)
-            if seq.num_computed_tokens == seq.num_tokens:  # a "sampled" token
-                seq.token_ids.append(7)
-                if seq.padding:  # static batching: ended already, only occupies its slot
-                    continue
-                if rec.first_token_step is None:
-                    rec.first_token_step = self.step_no
-                if seq.num_output_tokens >= seq.sampling.max_tokens:
-                    self.scheduler.finish(seq, FinishReason.LENGTH)
-                    rec.finished_step = self.step_no
+            if seq.num_computed_tokens + n == seq.num_tokens:
+                sampled[seq] = 7
+        for update in self.scheduler.update_from_output(batch, sampled):
+            rec = self.requests[update.seq.request_id]
+            if rec.first_token_step is None:
+                rec.first_token_step = self.step_no
+            if update.finish_reason is not None:
+                rec.finished_step = self.step_no
         self.step_no += 1
         return batch
 

@@ -14,9 +14,9 @@ from ray import serve
 
 from gateway.serve_ingress import gateway_deployment
 from gateway.settings import GatewaySettings
-from loom.settings import EngineSettings
 from tenancy import TenancySettings
 from tenancy.models import SHARED_POOL
+from worker.api import EngineConfig
 from worker.serve_engine import engine_deployment
 
 
@@ -29,7 +29,7 @@ class PoolSpec(BaseModel):
     max_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
-    engine: EngineSettings = Field(default_factory=EngineSettings)
+    engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @property
     def deployment_name(self) -> str:
@@ -38,7 +38,7 @@ class PoolSpec(BaseModel):
 
 def engine_app(pool: PoolSpec) -> serve.Application:
     return engine_deployment(
-        pool.engine.engine_config(),
+        pool.engine,
         name=pool.deployment_name,
         pool=pool.name,
         num_replicas=pool.replicas,

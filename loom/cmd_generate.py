@@ -12,7 +12,7 @@ import os
 import sys
 import time
 
-from loom.settings import EngineSettings
+from worker.api import EngineConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -101,12 +101,16 @@ async def _run_remote(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from worker.checkpoint import CheckpointError
-    from worker.engine import LLMEngine
-    from worker.model_config import UnsupportedModelError
-    from worker.request import GenerationRequest, InvalidRequestError, SamplingParams
+    from worker.api import (
+        CheckpointError,
+        GenerationRequest,
+        InvalidRequestError,
+        LLMEngine,
+        SamplingParams,
+        UnsupportedModelError,
+    )
 
-    settings = EngineSettings(model_path=args.model) if args.model else EngineSettings()
+    settings = EngineConfig(model_path=args.model) if args.model else EngineConfig()
     try:
         sampling = SamplingParams(
             max_tokens=args.max_tokens,
@@ -118,7 +122,7 @@ def _run_local(args: argparse.Namespace) -> int:
         )
         started = time.monotonic()
         print("loading model ...", file=sys.stderr, flush=True)
-        engine = LLMEngine(settings.engine_config())
+        engine = LLMEngine(settings)
         print(
             f"loaded {engine.model_name} in {time.monotonic() - started:.1f} s "
             f"({engine.device.type}, {str(engine.dtype).removeprefix('torch.')})",

@@ -15,7 +15,7 @@ import signal
 import sys
 import time
 
-from loom.settings import EngineSettings
+from worker.api import EngineConfig
 
 log = logging.getLogger("loom.serve")
 
@@ -119,7 +119,7 @@ async def _serve(
     from worker.api import load_tokenizer, process_registry
 
     started = time.monotonic()
-    engine = EngineSettings(model_path=args.model) if args.model else EngineSettings()
+    engine = EngineConfig(model_path=args.model) if args.model else EngineConfig()
     pools = [
         PoolSpec(
             name=name,

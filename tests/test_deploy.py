@@ -8,8 +8,8 @@ from pathlib import Path
 import yaml
 
 from gateway.settings import GatewaySettings
-from loom.settings import EngineSettings
 from tenancy import TenancySettings
+from worker.api import EngineConfig
 
 DEPLOY = Path(__file__).resolve().parents[1] / "deploy" / "kubernetes"
 
@@ -53,7 +53,7 @@ def test_environment_variables_name_existing_settings() -> None:
     known = {
         "LOOM_GATEWAY_": set(GatewaySettings.model_fields),
         "LOOM_TENANCY_": set(TenancySettings.model_fields),
-        "LOOM_ENGINE_": set(EngineSettings.model_fields),
+        "LOOM_ENGINE_": set(EngineConfig.model_fields),
     }
     for name in env["data"]:
         prefix = next(p for p in known if name.startswith(p))

@@ -1,10 +1,14 @@
 """The worker's public API: everything other components (gateway, loadtest, CLI) may use.
 
-Import from here, not from the modules behind it, so the engine's insides can move freely.
+Import from here, not from the modules behind it, so the engine's insides can move freely (an
+import-linter contract in pyproject.toml holds this). The scheduler, block manager and sequence are
+exported for the scheduler simulator (loadtest/), which drives the real scheduling code without a model.
 """
 
 from common import Priority
 from worker.async_engine import AsyncEngine, EngineDeadError
+from worker.batching_policy import SchedulingMode
+from worker.block_manager import BlockManager
 from worker.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -12,7 +16,8 @@ from worker.checkpoint import (
     load_checkpoint,
     load_tokenizer,
 )
-from worker.engine import EngineConfig, LLMEngine
+from worker.config import EngineConfig
+from worker.engine import LLMEngine
 from worker.limits import LIMITS, RequestLimits, Violation, sampling_violations
 from worker.model_config import UnsupportedModelError
 from worker.replica_stats import ReplicaStatsRegistry, process_registry
@@ -23,13 +28,15 @@ from worker.request import (
     RequestOutput,
     SamplingParams,
 )
-from worker.scheduler import SchedulingMode
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SequenceUpdate
+from worker.sequence import Sequence
 from worker.stats import EngineStats
 from worker.tokenizer import TemplateError, Tokenizer
 
 __all__ = [
     "LIMITS",
     "AsyncEngine",
+    "BlockManager",
     "Checkpoint",
     "CheckpointError",
     "EngineConfig",
@@ -44,7 +51,12 @@ __all__ = [
     "RequestLimits",
     "RequestOutput",
     "SamplingParams",
+    "ScheduledBatch",
+    "Scheduler",
+    "SchedulerConfig",
     "SchedulingMode",
+    "Sequence",
+    "SequenceUpdate",
     "TemplateError",
     "Tokenizer",
     "UnsupportedModelError",

@@ -120,21 +120,25 @@ class BlockManager:
         return b
 
     def allocate(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> None:
-        """Give ``seq`` blocks for ``num_new_tokens`` more tokens (after any prefix-cache hits)."""
+        """Extend ``seq``'s block table for ``num_new_tokens`` more tokens after any prefix-cache hits.
+
+        The hit blocks hold computed K/V: the scheduler advances the sequence past them.
+        """
         if not self.can_allocate(seq, num_new_tokens, prefix_blocks):
             raise RuntimeError("allocate called without capacity; check can_allocate first")
-        if prefix_blocks:
-            for b in prefix_blocks:
-                if self._ref[b] == 0:
-                    del self._free_cached[b]
-                self._ref[b] += 1
-            seq.block_table.extend(prefix_blocks)
-            seq.num_computed_tokens += len(prefix_blocks) * self.block_size
-            seq.num_registered_blocks = len(prefix_blocks)
+        hits = prefix_blocks or []
+        need = self.blocks_needed(seq, num_new_tokens, len(hits))
+        for b in hits:
+            if self._ref[b] == 0:
+                del self._free_cached[b]
+            self._ref[b] += 1
+        seq.block_table.extend(hits)
+        if hits:
+            seq.num_registered_blocks = len(hits)
         if prefix_blocks is not None and self.enable_prefix_caching:  # an admission, not a top-up
             self.prefix_queries += seq.num_tokens
-            self.prefix_hits += len(prefix_blocks) * self.block_size
-        for _ in range(self.blocks_needed(seq, num_new_tokens)):
+            self.prefix_hits += len(hits) * self.block_size
+        for _ in range(need):
             seq.block_table.append(self._take_free())
 
     def free(self, seq: Sequence) -> None:

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from kernels import PagedAttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model import ForwardBatch, LlamaModel
-from worker.request import SamplingParams
 from worker.sampler import RequestRng, sample
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
-
-_GREEDY = SamplingParams()
 
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
@@ -53,10 +52,8 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
         self.model = model
         self.kv = kv_cache
-        self._rngs: dict[str, RequestRng] = {}
-
-    def forget(self, request_id: str) -> None:
-        self._rngs.pop(request_id, None)
+        # A sampled sequence's random stream lives as long as the sequence, and no longer.
+        self._rngs: weakref.WeakKeyDictionary[Sequence, RequestRng] = weakref.WeakKeyDictionary()
 
     def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
         """Run one step; returns the sampled token of every sequence whose chunk reached its end."""
@@ -69,16 +66,13 @@ class ModelRunner:
         ]
         if not sampled_seqs:
             return {}
-        # Static-batching padding is decoded greedily: its tokens are never shown to anyone.
-        params = [_GREEDY if s.padding else s.sampling for s in sampled_seqs]
-        rngs: list[RequestRng | None] = []
-        for s, p in zip(sampled_seqs, params, strict=True):
-            if p.greedy:
-                rngs.append(None)
-            else:
-                rng = self._rngs.get(s.request_id)
-                if rng is None:
-                    rng = self._rngs[s.request_id] = RequestRng(s.sampling.seed)
-                rngs.append(rng)
+        params = [s.sampling for s in sampled_seqs]
+        rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
         tokens = sample(logits, params, rngs)
         return dict(zip(sampled_seqs, tokens, strict=True))
+
+    def _rng(self, seq: Sequence) -> RequestRng:
+        rng = self._rngs.get(seq)
+        if rng is None:
+            rng = self._rngs[seq] = RequestRng(seq.sampling.seed)
+        return rng

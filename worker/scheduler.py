@@ -10,33 +10,27 @@ then furthest over its fair share, then latest arrival) is preempted: its blocks
 its tokens recomputed later (cheaply, if its blocks survive in the prefix cache). A waiting request
 may preempt only strictly lower classes. Nothing is ever dropped.
 
-The static modes are the request-level batching that continuous batching is measured against: a
-cohort is admitted only when nothing is running and is never backfilled. In ``static`` a member that
-finishes keeps its slot and its KV blocks and runs on as padding until the cohort's longest member
-ends, as in fixed-shape batch generation; ``static_no_padding`` drops finished members from the
-batch (their slots still stay empty).
+After the forward pass the scheduler applies the step's output to its sequences
+(``update_from_output``, as vLLM v1's scheduler does): progress through the cache, newly full blocks
+registered for prefix reuse, the sampled token appended, and the length and stop-token checks that
+end a sequence and free its blocks. Stop strings need text, so the engine's output processor asks
+for those endings through ``finish``.
+
+Static batching, the baseline continuous batching is measured against, is a ``BatchingPolicy`` the
+scheduler is given (batching_policy.py); it is consulted in two places and nowhere else.
 """
 
 from __future__ import annotations
 
-import enum
 from collections import deque
 from dataclasses import dataclass, field
 
+from common import Priority
+from worker.batching_policy import Admission, BatchingPolicy, SchedulingMode
 from worker.block_manager import BlockManager
 from worker.fair_share import FairShare
-from worker.request import FinishReason, Priority
-from worker.sequence import Sequence, SequenceStatus
-
-
-class SchedulingMode(enum.StrEnum):
-    CONTINUOUS = "continuous"
-    STATIC = "static"
-    STATIC_NO_PADDING = "static_no_padding"
-
-    @property
-    def is_static(self) -> bool:
-        return self is not SchedulingMode.CONTINUOUS
+from worker.request import FinishReason
+from worker.sequence import GREEDY, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True)
@@ -44,6 +38,7 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     mode: SchedulingMode = SchedulingMode.CONTINUOUS
+    max_model_len: int = 1 << 30  # a sequence reaching this many tokens ends (LENGTH)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", SchedulingMode(self.mode))  # accept the plain string too
@@ -63,8 +58,21 @@ class ScheduledBatch:
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
+    @property
+    def num_padding(self) -> int:
+        return sum(1 for s in self.seqs if s.status is SequenceStatus.PADDING)
+
     def __bool__(self) -> bool:
         return bool(self.seqs)
+
+
+@dataclass(frozen=True)
+class SequenceUpdate:
+    """What one step did for a live sequence: the token it sampled and, if it ended, why."""
+
+    seq: Sequence
+    token: int
+    finish_reason: FinishReason | None
 
 
 @dataclass
@@ -77,6 +85,7 @@ class _Step:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
         self.config = config
+        self.policy = BatchingPolicy.for_mode(config.mode)
         self.bm = block_manager
         self.fair = FairShare()
         self.waiting: dict[Priority, dict[str, deque[Sequence]]] = {p: {} for p in Priority}
@@ -113,37 +122,30 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """Retire ``seq`` (finished or aborted) and free its blocks at once.
+        """End ``seq`` (finished or aborted) and free its blocks at once, or keep it as padding.
 
-        In ``static`` mode a member that ends normally stays in its cohort as padding instead;
-        the cohort's blocks are all freed when its last real member ends.
+        Under a padding policy a running member that ends normally keeps computing (greedily) in its
+        cohort; the cohort's blocks are all freed when its last real member ends.
         """
-        if seq.status is SequenceStatus.FINISHED or seq.padding:
+        if not seq.is_live:
             return
-        pad = (
-            self.config.mode is SchedulingMode.STATIC
-            and seq.status is SequenceStatus.RUNNING
-            and reason in (FinishReason.STOP, FinishReason.LENGTH)
-        )
-        if pad:
-            seq.padding = True
+        if self.policy.padding and seq.status is SequenceStatus.RUNNING and reason in _NORMAL_ENDS:
+            seq.status = SequenceStatus.PADDING
+            seq.sampling = GREEDY  # its tokens are never shown to anyone
         else:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-            else:
-                self._dequeue(seq)
-            self.bm.free(seq)
-            seq.status = SequenceStatus.FINISHED
+            self._release(seq)
         seq.finish_reason = reason
         self.fair.deactivate(seq.priority, seq.tenant)
         del self._by_id[seq.request_id]
-        if self.running and all(s.padding for s in self.running):
+        if self.running and all(s.status is SequenceStatus.PADDING for s in self.running):
             for s in list(self.running):
-                self.drop_padding(s)
+                self._release(s)
 
-    def drop_padding(self, seq: Sequence) -> None:
-        """Release a padding member (its cohort ended, or it can grow no further)."""
-        self.running.remove(seq)
+    def _release(self, seq: Sequence) -> None:
+        if seq.status is SequenceStatus.WAITING:
+            self._dequeue(seq)
+        else:
+            self.running.remove(seq)
         self.bm.free(seq)
         seq.status = SequenceStatus.FINISHED
 
@@ -164,10 +166,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        static = self.config.mode.is_static
-        if static and not self.running:
+        admission = self.policy.admission(len(self.running))
+        if admission is Admission.COHORT:
             self._admit_cohort()
-        admission_open = not static
+        admission_open = admission is Admission.EVERY_STEP
         for prio in Priority:
             for seq in sorted(
                 (s for s in self.running if s.priority == prio),
@@ -175,7 +177,7 @@ class Scheduler:
             ):
                 if step.budget == 0:
                     break
-                if seq.status is SequenceStatus.RUNNING and seq not in step.scheduled:
+                if seq.status in _IN_BATCH and seq not in step.scheduled:
                     self._schedule_running(seq, step)
             while admission_open and step.budget > 0:
                 seq = self._next_waiting(prio)
@@ -205,10 +207,11 @@ class Scheduler:
         return min(seq.num_tokens - computed, budget)
 
     def _take(self, seq: Sequence, n: int, prefix: list[int] | None, step: _Step) -> None:
-        first = prefix is not None and seq.num_preemptions == 0
         self.bm.allocate(seq, n, prefix)
-        if first:
-            seq.num_cached_prompt_tokens = len(prefix) * self.bm.block_size
+        if prefix:
+            seq.num_computed_tokens += len(prefix) * self.bm.block_size
+        if prefix is not None and seq.num_preemptions == 0:
+            seq.num_cached_prompt_tokens = len(prefix or ()) * self.bm.block_size
         step.scheduled[seq] = n
         step.budget -= n
         self.fair.charge(seq.priority, seq.tenant, seq.weight, n)
@@ -271,13 +274,48 @@ class Scheduler:
         if n:
             step.budget += n
             self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
+        if seq.status is SequenceStatus.PADDING:  # nothing to resume: its request already ended
+            self._release(seq)
+            return
         self.running.remove(seq)
         self.bm.free(seq)
-        if seq.padding:  # nothing to resume: its request already ended
-            seq.status = SequenceStatus.FINISHED
-            return
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1
         step.preempted.append(seq)
         self._enqueue(seq)
+
+    # ---- after the forward pass --------------------------------------------------------------
+
+    def update_from_output(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[SequenceUpdate]:
+        """Apply a step's results; returns an update per live sequence that sampled a token."""
+        updates: list[SequenceUpdate] = []
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            if seq.status is SequenceStatus.FINISHED:  # padding released when its cohort ended above
+                continue
+            seq.num_computed_tokens += n
+            self.bm.register_full_blocks(seq)
+            token = sampled.get(seq)
+            if token is None:  # a prefill chunk that has not reached the prompt's end
+                continue
+            seq.token_ids.append(token)
+            if seq.status is SequenceStatus.PADDING:
+                if seq.num_tokens >= self.config.max_model_len:  # it can grow no further
+                    self._release(seq)
+                continue
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.finish(seq, reason)
+            updates.append(SequenceUpdate(seq, token, reason))
+        return updates
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        if token in seq.stop_token_ids:
+            return FinishReason.STOP
+        if seq.num_output_tokens >= seq.sampling.max_tokens or seq.num_tokens >= self.config.max_model_len:
+            return FinishReason.LENGTH
+        return None
+
+
+_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
+_IN_BATCH = (SequenceStatus.RUNNING, SequenceStatus.PADDING)

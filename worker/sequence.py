@@ -1,20 +1,29 @@
-"""Per-request state inside the engine: tokens, progress through the KV cache, and block table."""
+"""Per-request state inside the engine: tokens, progress through the KV cache, and block table.
+
+Who writes what: the scheduler owns progress and lifecycle (``status``, ``num_computed_tokens``,
+``token_ids`` growth, ``finish_reason``, preemption counts); the block manager owns the block state
+(``block_table``, ``block_hashes``, ``num_registered_blocks``). Nothing else writes a sequence.
+"""
 
 from __future__ import annotations
 
 import enum
 import itertools
-import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from worker.request import FinishReason, GenerationRequest, Priority, SamplingParams
+from common import Priority
+from worker.request import FinishReason, GenerationRequest, SamplingParams
 
 _arrivals = itertools.count()
+
+GREEDY = SamplingParams()
 
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    PADDING = "padding"  # static batching: ended for its caller, still computed until its cohort ends
     FINISHED = "finished"
 
 
@@ -28,8 +37,8 @@ class Sequence:
     priority: Priority
     weight: float
     cache_salt: bytes
+    stop_token_ids: frozenset[int] = frozenset()  # end-of-sequence (unless ignore_eos) and stop ids
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
-    arrival_time: float = field(default_factory=time.monotonic)
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     block_table: list[int] = field(default_factory=list)
@@ -38,20 +47,23 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served from the prefix cache (first admission)
     num_preemptions: int = 0
     finish_reason: FinishReason | None = None
-    padding: bool = False  # static batching: ended, but still occupies its cohort slot
-    first_token_time: float | None = None
 
     @classmethod
-    def from_request(cls, req: GenerationRequest) -> Sequence:
+    def from_request(cls, req: GenerationRequest, eos_token_ids: Iterable[int] = ()) -> Sequence:
+        params = req.sampling
+        stop = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop.update(eos_token_ids)
         return cls(
             request_id=req.request_id,
             token_ids=list(req.prompt_token_ids),
             num_prompt_tokens=len(req.prompt_token_ids),
-            sampling=req.sampling,
+            sampling=params,
             tenant=req.tenant,
             priority=req.priority,
             weight=req.weight,
             cache_salt=req.cache_salt,
+            stop_token_ids=frozenset(stop),
         )
 
     @property
@@ -67,14 +79,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens :]
 
     @property
-    def num_uncomputed_tokens(self) -> int:
-        """Tokens still to run through the model before the next sample (1 for a decode)."""
-        return self.num_tokens - self.num_computed_tokens
-
-    @property
     def is_prefilling(self) -> bool:
-        return self.num_uncomputed_tokens > 1
+        """More than the one last token is still to run through the model."""
+        return self.num_tokens - self.num_computed_tokens > 1
 
     @property
-    def finished(self) -> bool:
-        return self.status is SequenceStatus.FINISHED
+    def is_live(self) -> bool:
+        """Still owed output by the engine (waiting or running, not padding or finished)."""
+        return self.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING)

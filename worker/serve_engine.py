@@ -11,7 +11,6 @@ import contextlib
 import logging
 import os
 from collections.abc import AsyncIterator
-from dataclasses import asdict
 from typing import Any
 
 from ray import serve
@@ -119,4 +118,4 @@ def engine_deployment(
     else:
         options["num_replicas"] = num_replicas
     deployment = serve.deployment(EngineReplica).options(**options)
-    return deployment.bind(asdict(engine_config), pool)
+    return deployment.bind(engine_config.model_dump(), pool)

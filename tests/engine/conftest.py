@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.support.random_model import random_checkpoint
 from worker.checkpoint import Checkpoint, load_checkpoint
-from worker.random_model import random_checkpoint
 
 torch.set_num_threads(2)
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.support.random_model import save_hf_dir
 from worker.checkpoint import (
     Checkpoint,
     CheckpointError,
@@ -18,7 +19,6 @@ from worker.checkpoint import (
 )
 from worker.engine import EngineConfig, LLMEngine
 from worker.model_config import UnsupportedModelError
-from worker.random_model import save_hf_dir
 from worker.request import GenerationRequest, SamplingParams
 
 

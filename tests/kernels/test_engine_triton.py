@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from kernels import force_triton
+from tests.support.random_model import random_checkpoint, tiny_config
 from worker.checkpoint import Checkpoint
 from worker.engine import EngineConfig, LLMEngine, merge_output
-from worker.random_model import random_checkpoint, tiny_config
 from worker.request import GenerationRequest, RequestOutput, SamplingParams
 
 FIRST = ["the loom weaves", "a b c d e f g h i j k", "paged attention, one block at a time", "x"]

@@ -1,0 +1,57 @@
+"""How an engine is built: one settings model, from ``LOOM_ENGINE_*`` environment variables, flags or code.
+
+The same object configures an in-process engine, every Serve replica (it crosses to them as
+``model_dump()``) and the RayService manifests' environment; nothing mirrors its fields.
+"""
+
+from __future__ import annotations
+
+import torch
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from worker.batching_policy import SchedulingMode
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+class EngineConfig(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="LOOM_ENGINE_", extra="forbid", frozen=True)
+
+    model_path: str | None = Field(
+        None, description="a .gguf file or a Hugging Face directory; empty: embedded"
+    )
+    model_name: str | None = Field(None, description="the name clients use; default: the checkpoint's")
+    device: str = Field("auto", description="auto: cuda when available, else cpu")
+    dtype: str = Field(
+        "auto", pattern="^(auto|float32|float16|bfloat16)$", description="auto: bf16 on cuda, fp32 on cpu"
+    )
+    block_size: int = Field(16, ge=1, le=256)
+    kv_cache_memory_mb: int | None = Field(
+        None, ge=1, description="default: 1 GiB on cpu, 60% of free on cuda"
+    )
+    num_blocks: int | None = Field(None, ge=1, description="overrides the KV memory budget")
+    max_num_seqs: int = Field(64, ge=1)
+    max_num_batched_tokens: int = Field(512, ge=1)
+    scheduling: SchedulingMode = SchedulingMode.CONTINUOUS
+    enable_prefix_caching: bool = True
+    max_model_len: int | None = Field(None, ge=2)
+    num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on cpu")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        return torch.device(self.device)
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]
+
+    def kv_budget_bytes(self, device: torch.device) -> int:
+        if self.kv_cache_memory_mb is not None:
+            return self.kv_cache_memory_mb << 20
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return int(free * 0.6)
+        return 1 << 30

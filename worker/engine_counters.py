@@ -1,0 +1,63 @@
+"""The engine's running totals and recent step timings, and the ``EngineStats`` snapshot built from them."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from common import Priority
+from worker.block_manager import BlockManager
+from worker.scheduler import Scheduler
+from worker.stats import EngineStats
+
+BUSY_WINDOW_S = 10.0
+
+
+@dataclass
+class EngineCounters:
+    steps: int = 0
+    step_tokens: int = 0
+    last_step_tokens: int = 0
+    last_step_seqs: int = 0
+    last_step_padding: int = 0
+    finished: int = 0
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of recent steps
+
+    def record_step(self, t0: float, t1: float, tokens: int, seqs: int, padding: int) -> None:
+        self.steps += 1
+        self.step_tokens += tokens
+        self.last_step_tokens = tokens
+        self.last_step_seqs = seqs - padding
+        self.last_step_padding = padding
+        self.busy.append((t0, t1))
+        while self.busy and self.busy[0][1] < t1 - BUSY_WINDOW_S:
+            self.busy.popleft()
+
+    def snapshot(self, scheduler: Scheduler, bm: BlockManager) -> EngineStats:
+        now = time.monotonic()
+        window_start = max(self.started, now - BUSY_WINDOW_S)
+        busy = sum(min(b, now) - max(a, window_start) for a, b in self.busy if b > window_start)
+        return EngineStats(
+            running={p: scheduler.num_running(p) for p in Priority},
+            waiting={p: scheduler.num_waiting(p) for p in Priority},
+            kv_blocks_used=bm.num_used_blocks,
+            kv_blocks_total=bm.num_blocks,
+            num_preemptions=scheduler.num_preemptions,
+            num_steps=self.steps,
+            last_step_tokens=self.last_step_tokens,
+            last_step_seqs=self.last_step_seqs,
+            last_step_padding_seqs=self.last_step_padding,
+            mean_tokens_per_step=self.step_tokens / self.steps if self.steps else 0.0,
+            busy_fraction=busy / max(now - window_start, 1e-9),
+            prefix_cache_queries=bm.prefix_queries,
+            prefix_cache_hits=bm.prefix_hits,
+            finished_requests=self.finished,
+            prompt_tokens=self.prompt_tokens,
+            generated_tokens=self.generated_tokens,
+            pid=os.getpid(),
+        )

@@ -1,0 +1,83 @@
+"""Turns the scheduler's per-sequence updates into streamed deltas: text, stop strings, final counts.
+
+Text is the one part of ending a request the scheduler cannot judge: a stop string may only appear
+once tokens are detokenized, and text that could begin one is held back until it cannot. When a stop
+string completes, this asks the scheduler to end the sequence (as vLLM's output processor aborts it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from worker.detokenizer import IncrementalDetokenizer
+from worker.request import FinishReason, RequestOutput
+from worker.scheduler import Scheduler, SequenceUpdate
+from worker.sequence import Sequence
+from worker.tokenizer import Tokenizer
+
+
+@dataclass
+class _Stream:
+    detok: IncrementalDetokenizer
+    emitted_tokens: int = 0  # output token ids already handed out
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._streams: dict[str, _Stream] = {}
+
+    def add(self, seq: Sequence) -> None:
+        detok = IncrementalDetokenizer(self._tokenizer, seq.token_ids, seq.sampling.stop)
+        self._streams[seq.request_id] = _Stream(detok)
+
+    def process(self, updates: list[SequenceUpdate], scheduler: Scheduler) -> list[RequestOutput]:
+        outputs: list[RequestOutput] = []
+        for u in updates:
+            seq, stream = u.seq, self._streams[u.seq.request_id]
+            reason = u.finish_reason
+            text = ""
+            if u.token not in seq.stop_token_ids:  # an end-of-sequence token has no text
+                text = stream.detok.add(u.token)
+                if stream.detok.stopped:
+                    if reason is None:
+                        scheduler.finish(seq, FinishReason.STOP)
+                    reason = FinishReason.STOP  # the stop string ended it, even on its last token
+            new_ids = seq.output_token_ids[stream.emitted_tokens :]
+            if reason is not None:
+                outputs.append(self.final(seq, reason, text + stream.detok.flush(), new_ids))
+            elif text or new_ids:
+                stream.emitted_tokens += len(new_ids)
+                outputs.append(_output(seq, text, new_ids))
+        return outputs
+
+    def final(
+        self,
+        seq: Sequence,
+        reason: FinishReason,
+        text: str = "",
+        new_ids: list[int] | None = None,
+        error: str | None = None,
+    ) -> RequestOutput:
+        """The request's last delta; forgets its stream."""
+        self._streams.pop(seq.request_id, None)
+        return _output(seq, text, new_ids or [], reason, error)
+
+
+def _output(
+    seq: Sequence,
+    text: str,
+    new_ids: list[int],
+    reason: FinishReason | None = None,
+    error: str | None = None,
+) -> RequestOutput:
+    return RequestOutput(
+        seq.request_id,
+        text,
+        new_ids,
+        finish_reason=reason,
+        prompt_tokens=seq.num_prompt_tokens,
+        completion_tokens=seq.num_output_tokens,
+        cached_prompt_tokens=seq.num_cached_prompt_tokens,
+        error=error,
+    )
