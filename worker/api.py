@@ -30,6 +30,7 @@ from worker.request import (
 )
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SequenceUpdate
 from worker.sequence import Sequence
+from worker.serve_engine import engine_deployment
 from worker.stats import EngineStats
 from worker.tokenizer import TemplateError, Tokenizer
 
@@ -62,6 +63,7 @@ __all__ = [
     "UnsupportedModelError",
     "Violation",
     "embedded_model_path",
+    "engine_deployment",
     "load_checkpoint",
     "load_tokenizer",
     "process_registry",

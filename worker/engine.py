@@ -27,6 +27,8 @@ from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
+_NON_FINITE = "the model produced non-finite logits for this request; it was stopped (others were not)"
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
@@ -107,16 +109,19 @@ class LLMEngine:
             return []
         t0 = time.monotonic()
         try:
-            sampled = self.runner.execute(batch)
+            result = self.runner.execute(batch)
         except Exception as exc:  # a failed forward fails its requests, never the engine
             log.exception("forward step failed; failing the %d requests in it", len(batch.seqs))
+            self.counters.consecutive_failed_steps += 1
             error = f"{type(exc).__name__}: {exc}"
             return [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
         self.counters.record_step(
             t0, time.monotonic(), batch.total_tokens, len(batch.seqs), batch.num_padding
         )
-        updates = self.scheduler.update_from_output(batch, sampled)
-        outputs = self.outputs.process(updates, self.scheduler)
+        # A row with non-finite logits fails its own request; the rest of the batch goes on.
+        failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
+        updates = self.scheduler.update_from_output(batch, result.sampled)
+        outputs = failed + self.outputs.process(updates, self.scheduler)
         self.counters.generated_tokens += len(updates)
         self.counters.finished += sum(1 for o in outputs if o.finished)
         return outputs

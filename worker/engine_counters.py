@@ -25,11 +25,13 @@ class EngineCounters:
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    consecutive_failed_steps: int = 0  # forward passes that raised since the last one that did not
     started: float = field(default_factory=time.monotonic)
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of recent steps
 
     def record_step(self, t0: float, t1: float, tokens: int, seqs: int, padding: int) -> None:
         self.steps += 1
+        self.consecutive_failed_steps = 0
         self.step_tokens += tokens
         self.last_step_tokens = tokens
         self.last_step_seqs = seqs - padding
@@ -59,5 +61,6 @@ class EngineCounters:
             finished_requests=self.finished,
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
+            consecutive_failed_steps=self.consecutive_failed_steps,
             pid=os.getpid(),
         )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
 
 import torch
 
@@ -48,6 +49,14 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     )
 
 
+@dataclass
+class StepOutput:
+    """What a forward step produced: tokens, and the sequences whose logits were not finite."""
+
+    sampled: dict[Sequence, int] = field(default_factory=dict)
+    failed: list[Sequence] = field(default_factory=list)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
         self.model = model
@@ -55,8 +64,8 @@ class ModelRunner:
         # A sampled sequence's random stream lives as long as the sequence, and no longer.
         self._rngs: weakref.WeakKeyDictionary[Sequence, RequestRng] = weakref.WeakKeyDictionary()
 
-    def execute(self, batch: ScheduledBatch) -> dict[Sequence, int]:
-        """Run one step; returns the sampled token of every sequence whose chunk reached its end."""
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
+        """Run one step: the sampled token of every sequence whose chunk reached its end."""
         fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
         logits = self.model.forward(fb, self.kv.k, self.kv.v)
         sampled_seqs = [
@@ -64,12 +73,17 @@ class ModelRunner:
             for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
             if s.num_computed_tokens + n == s.num_tokens
         ]
+        out = StepOutput()
         if not sampled_seqs:
-            return {}
+            return out
         params = [s.sampling for s in sampled_seqs]
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
-        tokens = sample(logits, params, rngs)
-        return dict(zip(sampled_seqs, tokens, strict=True))
+        for seq, token in zip(sampled_seqs, sample(logits, params, rngs), strict=True):
+            if token is None:
+                out.failed.append(seq)
+            else:
+                out.sampled[seq] = token
+        return out
 
     def _rng(self, seq: Sequence) -> RequestRng:
         rng = self._rngs.get(seq)

@@ -2,6 +2,10 @@
 
 Each sampled request draws from its own generator, seeded from the request's seed when it has one,
 so the same seed gives the same text whatever else shares the batch.
+
+A row whose logits are not all finite (a numerical fault) gets no token: its request fails alone
+and every other row of the batch is sampled as usual. Temperatures below
+``LIMITS.greedy_below_temperature`` are greedy, so a division can never overflow finite logits.
 """
 
 from __future__ import annotations
@@ -39,10 +43,11 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     rngs: list[RequestRng | None],
-) -> list[int]:
-    """One token per row of ``logits [n, vocab]``."""
+) -> list[int | None]:
+    """One token per row of ``logits [n, vocab]``; None for a row whose logits are not finite."""
+    finite: list[bool] = torch.isfinite(logits).all(dim=-1).tolist()
     greedy_rows = [i for i, p in enumerate(params) if p.greedy]
-    out = [0] * len(params)
+    out: list[int | None] = [None] * len(params)
     if greedy_rows:
         ids = (
             logits[greedy_rows].argmax(dim=-1).tolist()
@@ -50,9 +55,9 @@ def sample(
             else (logits.argmax(dim=-1).tolist())
         )
         for i, t in zip(greedy_rows, ids, strict=True):
-            out[i] = t
+            out[i] = t if finite[i] else None
     for i, p in enumerate(params):
-        if not p.greedy:
+        if not p.greedy and finite[i]:
             rng = rngs[i]
             assert rng is not None, "a sampled request needs its RequestRng"
             out[i] = _sample_one(logits[i], p, rng)

@@ -29,6 +29,9 @@ log = logging.getLogger(__name__)
 # stuck behind a backlog of batch work that Serve is holding back.
 MAX_ONGOING_REQUESTS = 4096
 ROUTING_STATS_PERIOD_S = 1.0
+# A replica whose forward passes fail this many times in a row reports unhealthy (Serve replaces it);
+# one failure can be a single request's fault, a run of them is the replica's.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class EngineReplica:
@@ -69,8 +72,12 @@ class EngineReplica:
         return self.engine.stats().to_dict()
 
     def check_health(self) -> None:
+        """Serve replaces a replica whose engine loop died or whose forward passes keep failing."""
         if not self.engine.alive:
             raise EngineDeadError("the engine loop is not running")
+        failing = self.engine.stats().consecutive_failed_steps
+        if failing >= UNHEALTHY_AFTER_FAILED_STEPS:
+            raise EngineDeadError(f"the last {failing} forward passes failed")
 
     def __del__(self) -> None:
         engine = getattr(self, "engine", None)

@@ -33,6 +33,7 @@ ROUTER_CLASS = "worker.serve_router:LoomRequestRouter"
 AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
 AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
 MAX_AFFINITY_ENTRIES = 50_000
+FAILING_PENALTY = 10.0  # per failed step in a row: behind every healthy replica, however loaded
 
 
 def load_score(stats: EngineStats | None, priority: Priority, sent_since_stats: int) -> float:
@@ -40,7 +41,9 @@ def load_score(stats: EngineStats | None, priority: Priority, sent_since_stats: 
     if stats is None:
         return 0.5 + 0.05 * sent_since_stats  # unknown yet: neither preferred nor avoided
     ahead = stats.waiting_at_or_above(priority)
-    return stats.kv_cache_usage + 0.05 * (ahead + sent_since_stats) + 0.002 * stats.num_running
+    load = stats.kv_cache_usage + 0.05 * (ahead + sent_since_stats) + 0.002 * stats.num_running
+    # A replica whose steps fail finishes everything at once and looks idle: idle must not mean best.
+    return load + FAILING_PENALTY * min(stats.consecutive_failed_steps, 3)
 
 
 def affinity_key(request: GenerationRequest) -> bytes:

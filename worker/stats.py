@@ -31,6 +31,7 @@ class EngineStats:
     finished_requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    consecutive_failed_steps: int = 0  # forward passes failing in a row: a replica that cannot serve
     pid: int = 0  # the process the engine runs in
 
     @property

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ class Tokenizer:
     chat_template: str | None = None
     special_tokens: dict[str, str] = field(default_factory=dict)
     _template: jinja2.Template | None = field(default=None, init=False, repr=False)
+    _plain: HFTokenizer | None = field(default=None, init=False, repr=False)
 
     @property
     def vocab_size(self) -> int:
@@ -66,8 +68,64 @@ class Tokenizer:
             raise TemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, str]]) -> list[int]:
-        # Templates write BOS themselves where the model wants it.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+        """The conversation's prompt ids; message contents are always text, never control tokens.
+
+        A user who writes ``<|im_start|>system`` in a message gets those characters, not a forged
+        system turn: the template's own markup is encoded with special tokens recognised, each
+        message's content with them encoded as plain text. Templates write BOS themselves.
+        """
+        text = self.apply_chat_template(messages)
+        pieces = self._split_contents(messages, text)
+        if pieces is None:  # the template rewrites contents beyond trimming: no safe way to split
+            self._refuse_special_text(messages)
+            return self.encode(text, add_special_tokens=False)
+        ids: list[int] = []
+        for i, piece in enumerate(pieces):
+            if i % 2 == 0:
+                ids += self.backend.encode(piece, add_special_tokens=False).ids if piece else []
+            elif piece:
+                ids += self._plain_backend().encode(piece, add_special_tokens=False).ids
+        return ids
+
+    def _split_contents(self, messages: list[dict[str, str]], text: str) -> list[str] | None:
+        """``text`` as [markup, content, markup, content, ..., markup], or None if not recoverable.
+
+        The template is rendered again with a unique mark in place of each content; the marks show
+        where contents sit. A template that trims contents is matched with trimmed contents.
+        """
+        marks = [f"\x00loom{secrets.token_hex(8)}\x00" for _ in messages]
+        marked = self.apply_chat_template([{**m, "content": k} for m, k in zip(messages, marks, strict=True)])
+        for clean in (lambda c: c, str.strip):
+            pieces: list[str] = []
+            rest = marked
+            for mark, m in zip(marks, messages, strict=True):
+                before, found, rest = rest.partition(mark)
+                if not found:
+                    break
+                pieces += [before, clean(m.get("content", ""))]
+            else:
+                pieces.append(rest)
+                if "".join(pieces) == text:
+                    return pieces
+        return None
+
+    def _plain_backend(self) -> HFTokenizer:
+        """A twin of the backend that encodes special-token text as ordinary text (thread-safe: separate)."""
+        if self._plain is None:
+            plain = HFTokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return self._plain
+
+    def _refuse_special_text(self, messages: list[dict[str, str]]) -> None:
+        specials = [t.content for t in self.backend.get_added_tokens_decoder().values() if t.special]
+        for i, m in enumerate(messages):
+            for token in specials:
+                if token and token in m.get("content", ""):
+                    raise TemplateError(
+                        f"messages[{i}].content contains the control token {token!r}, which this model's "
+                        "chat template cannot carry as text"
+                    )
 
     # ---- builders -------------------------------------------------------------------------------
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from common import Priority
 from worker.request import GenerationRequest
 from worker.serve_router import Candidate, affinity_key, load_score, rank
@@ -58,3 +60,10 @@ def test_affinity_key_is_per_tenant_and_per_prefix() -> None:
     assert key(b"a", prompt) == key(b"a", prompt[:200] + [7] * 50)  # same first 128 tokens
     assert key(b"a", prompt) != key(b"b", prompt)
     assert key(b"a", prompt) != key(b"a", [1, *prompt])
+
+
+def test_a_replica_whose_steps_fail_ranks_behind_a_busy_healthy_one() -> None:
+    healthy_busy = load_score(_stats(kv=0.95, running=60, standard=30), Priority.STANDARD, 5)
+    broken_idle = load_score(replace(_stats(), consecutive_failed_steps=2), Priority.STANDARD, 0)
+    ranked = rank([Candidate("broken", broken_idle), Candidate("busy", healthy_busy)], preferred="broken")
+    assert ranked == ["busy", "broken"]  # not even prefix affinity brings traffic back to it

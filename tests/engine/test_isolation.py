@@ -1,0 +1,110 @@
+"""One request can never fail another: hostile sampling values and numerical faults stay in their row."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+import worker.model_runner
+from tests.helpers import eventually
+from worker.checkpoint import Checkpoint
+from worker.engine import EngineConfig, LLMEngine
+from worker.request import FinishReason, GenerationRequest, SamplingParams
+from worker.sampler import sample as real_sample
+
+POISON_SEED = 424242  # marks the request whose logits the fault hits
+
+
+@pytest.fixture
+def engine(tiny: Checkpoint) -> LLMEngine:
+    return LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256), tiny)
+
+
+def _req(rid: str, text: str, **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(rid, list(text.encode()), SamplingParams(**sampling))
+
+
+def test_a_vanishing_temperature_samples_greedily(engine: LLMEngine) -> None:
+    assert SamplingParams(temperature=1e-40).greedy and not SamplingParams(temperature=1e-4).greedy
+    greedy = engine.run_to_completion([_req("g", "weave", max_tokens=16, ignore_eos=True)])["g"]
+    tiny_t = engine.run_to_completion([_req("t", "weave", max_tokens=16, ignore_eos=True, temperature=1e-40)])
+    assert tiny_t["t"].token_ids == greedy.token_ids
+    assert tiny_t["t"].finish_reason is FinishReason.LENGTH
+
+
+def test_non_finite_logits_fail_only_their_own_request(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    others = [_req(f"o{i}", f"tenant {i} text", max_tokens=24, ignore_eos=True) for i in range(3)]
+    alone = engine.run_to_completion(others)
+    calls = {"poisoned": 0}
+
+    def faulty_sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any]) -> list[Any]:
+        logits = logits.clone()
+        for i, p in enumerate(params):
+            if p.seed == POISON_SEED:
+                logits[i, 3] = float("nan")
+                calls["poisoned"] += 1
+        return real_sample(logits, params, rngs)
+
+    monkeypatch.setattr(worker.model_runner, "sample", faulty_sample)
+    victim = _req("victim", "hostile", max_tokens=24, temperature=0.7, seed=POISON_SEED)
+    again = [_req(f"o{i}", f"tenant {i} text", max_tokens=24, ignore_eos=True) for i in range(3)]
+    together = engine.run_to_completion([*again[:2], victim, again[2]])
+
+    assert calls["poisoned"] == 1
+    assert together["victim"].finish_reason is FinishReason.ERROR
+    assert "non-finite logits" in (together["victim"].error or "")
+    for r in again:  # the rest of the batch went on, token for token as without the fault
+        assert together[r.request_id].finish_reason is FinishReason.LENGTH
+        assert together[r.request_id].token_ids == alone[r.request_id].token_ids
+    engine.block_manager.check_consistency()
+    assert engine.block_manager.num_used_blocks == 0
+
+
+def test_failing_forward_passes_are_counted_until_one_succeeds(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    real_forward = engine.model.forward
+    monkeypatch.setattr(engine.model, "forward", broken)
+    for i in range(3):
+        out = engine.run_to_completion([_req(f"f{i}", "x", max_tokens=4)])
+        assert out[f"f{i}"].finish_reason is FinishReason.ERROR
+    assert engine.stats().consecutive_failed_steps == 3
+    monkeypatch.setattr(engine.model, "forward", real_forward)
+    engine.run_to_completion([_req("ok", "x", max_tokens=4)])
+    assert engine.stats().consecutive_failed_steps == 0
+
+
+async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
+    tiny: Checkpoint, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tests.support.random_model import save_hf_dir
+    from worker.serve_engine import UNHEALTHY_AFTER_FAILED_STEPS, EngineReplica
+
+    model_dir = save_hf_dir(tiny, tmp_path / "tiny")
+    replica = EngineReplica(EngineConfig(model_path=str(model_dir), num_blocks=64).model_dump(), "shared")
+    try:
+        replica.check_health()
+        core = replica.engine.engine
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("device lost")
+
+        monkeypatch.setattr(core.model, "forward", broken)
+        for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
+            outs = [o async for o in replica.generate(_req(f"r{i}", "x", max_tokens=2))]
+            assert outs[-1].finish_reason is FinishReason.ERROR
+            # The engine thread publishes its stats just after delivering the step's outputs.
+            await eventually(lambda n=i + 1: replica.engine.stats().consecutive_failed_steps == n)
+            if i < UNHEALTHY_AFTER_FAILED_STEPS - 1:
+                replica.check_health()  # a failure or two may be a request's fault
+        with pytest.raises(Exception, match="forward passes failed"):
+            replica.check_health()
+    finally:
+        replica.engine.shutdown()
