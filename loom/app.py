@@ -16,8 +16,7 @@ from gateway.serve_ingress import gateway_deployment
 from gateway.settings import GatewaySettings
 from tenancy import TenancySettings
 from tenancy.models import SHARED_POOL
-from worker.api import EngineConfig
-from worker.serve_engine import engine_deployment
+from worker.api import EngineConfig, engine_deployment
 
 
 class PoolSpec(BaseModel):
