@@ -20,7 +20,13 @@ from worker.kv_cache import KVCache, blocks_for_budget
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
-from worker.request import FinishReason, GenerationRequest, InvalidRequestError, RequestOutput
+from worker.request import (
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+    TokenLogprob,
+)
 from worker.scheduler import Scheduler, SchedulerConfig
 from worker.sequence import Sequence
 from worker.stats import EngineStats
@@ -121,7 +127,7 @@ class LLMEngine:
         # A row with non-finite logits fails its own request; the rest of the batch goes on.
         failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
         updates = self.scheduler.update_from_output(batch, result.sampled)
-        outputs = failed + self.outputs.process(updates, self.scheduler)
+        outputs = failed + self.outputs.process(updates, result.logprobs, self.scheduler)
         self.counters.generated_tokens += len(updates)
         self.counters.finished += sum(1 for o in outputs if o.finished)
         return outputs
@@ -152,7 +158,9 @@ def merge_output(acc: dict[str, RequestOutput], out: RequestOutput) -> None:
     """Fold a delta into the running total for its request."""
     prev = acc.get(out.request_id)
     if prev is None:
-        acc[out.request_id] = RequestOutput(**{**out.__dict__, "token_ids": list(out.token_ids)})
+        acc[out.request_id] = RequestOutput(
+            **{**out.__dict__, "token_ids": list(out.token_ids), "logprobs": _copy(out.logprobs)}
+        )
         return
     prev.text += out.text
     prev.token_ids.extend(out.token_ids)
@@ -161,3 +169,9 @@ def merge_output(acc: dict[str, RequestOutput], out: RequestOutput) -> None:
     prev.completion_tokens = out.completion_tokens
     prev.cached_prompt_tokens = out.cached_prompt_tokens
     prev.error = out.error
+    if out.logprobs is not None:
+        prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
+
+
+def _copy(items: list[TokenLogprob] | None) -> list[TokenLogprob] | None:
+    return None if items is None else list(items)

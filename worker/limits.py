@@ -20,6 +20,7 @@ class RequestLimits:
     max_top_k: int = 1_000_000
     max_stop_strings: int = 16
     max_stop_chars: int = 256
+    max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs bound)
     seed_bound: int = 2**63  # seeds are in [0, seed_bound)
 
 
@@ -36,6 +37,7 @@ def sampling_violations(
     top_k: object,
     seed: int | None,
     stop: tuple[str, ...],
+    logprobs: int | None = None,
     limits: RequestLimits = LIMITS,
 ) -> list[Violation]:
     """Every sampling field outside its range, named, in field order."""
@@ -55,4 +57,6 @@ def sampling_violations(
     for i, s in enumerate(stop):
         if not isinstance(s, str) or not (1 <= len(s) <= limits.max_stop_chars):
             bad.append((f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters"))
+    if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= limits.max_logprobs):
+        bad.append(("logprobs", f"must be from 0 to {limits.max_logprobs} alternatives, got {logprobs!r}"))
     return bad

@@ -10,7 +10,8 @@ import torch
 from kernels import PagedAttentionMetadata
 from worker.kv_cache import KVCache
 from worker.model import ForwardBatch, LlamaModel
-from worker.sampler import RequestRng, sample
+from worker.request import TokenLogprob
+from worker.sampler import RequestRng, sample, token_logprobs
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
 
@@ -55,6 +56,7 @@ class StepOutput:
 
     sampled: dict[Sequence, int] = field(default_factory=dict)
     failed: list[Sequence] = field(default_factory=list)
+    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for requests that asked
 
 
 class ModelRunner:
@@ -78,11 +80,19 @@ class ModelRunner:
             return out
         params = [s.sampling for s in sampled_seqs]
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
-        for seq, token in zip(sampled_seqs, sample(logits, params, rngs), strict=True):
+        rows: list[int] = []
+        for row, (seq, token) in enumerate(zip(sampled_seqs, sample(logits, params, rngs), strict=True)):
             if token is None:
                 out.failed.append(seq)
-            else:
-                out.sampled[seq] = token
+                continue
+            out.sampled[seq] = token
+            if seq.sampling.logprobs is not None:
+                rows.append(row)
+        if rows:
+            seqs = [sampled_seqs[r] for r in rows]
+            tokens = [out.sampled[s] for s in seqs]
+            tops = [s.sampling.logprobs or 0 for s in seqs]
+            out.logprobs = dict(zip(seqs, token_logprobs(logits, rows, tokens, tops), strict=True))
         return out
 
     def _rng(self, seq: Sequence) -> RequestRng:

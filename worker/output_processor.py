@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from worker.detokenizer import IncrementalDetokenizer
-from worker.request import FinishReason, RequestOutput
+from worker.request import FinishReason, RequestOutput, TokenLogprob
 from worker.scheduler import Scheduler, SequenceUpdate
 from worker.sequence import Sequence
 from worker.tokenizer import Tokenizer
@@ -20,6 +20,7 @@ from worker.tokenizer import Tokenizer
 class _Stream:
     detok: IncrementalDetokenizer
     emitted_tokens: int = 0  # output token ids already handed out
+    logprobs: list[TokenLogprob] | None = None  # of the tokens not yet handed out, when asked for
 
 
 class OutputProcessor:
@@ -29,12 +30,20 @@ class OutputProcessor:
 
     def add(self, seq: Sequence) -> None:
         detok = IncrementalDetokenizer(self._tokenizer, seq.token_ids, seq.sampling.stop)
-        self._streams[seq.request_id] = _Stream(detok)
+        wants_logprobs = seq.sampling.logprobs is not None
+        self._streams[seq.request_id] = _Stream(detok, logprobs=[] if wants_logprobs else None)
 
-    def process(self, updates: list[SequenceUpdate], scheduler: Scheduler) -> list[RequestOutput]:
+    def process(
+        self,
+        updates: list[SequenceUpdate],
+        logprobs: dict[Sequence, TokenLogprob],
+        scheduler: Scheduler,
+    ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for u in updates:
             seq, stream = u.seq, self._streams[u.seq.request_id]
+            if stream.logprobs is not None:
+                stream.logprobs.append(logprobs[seq])
             reason = u.finish_reason
             text = ""
             if u.token not in seq.stop_token_ids:  # an end-of-sequence token has no text
@@ -48,7 +57,7 @@ class OutputProcessor:
                 outputs.append(self.final(seq, reason, text + stream.detok.flush(), new_ids))
             elif text or new_ids:
                 stream.emitted_tokens += len(new_ids)
-                outputs.append(_output(seq, text, new_ids))
+                outputs.append(_output(seq, text, new_ids, logprobs=_take(stream)))
         return outputs
 
     def final(
@@ -60,8 +69,18 @@ class OutputProcessor:
         error: str | None = None,
     ) -> RequestOutput:
         """The request's last delta; forgets its stream."""
-        self._streams.pop(seq.request_id, None)
-        return _output(seq, text, new_ids or [], reason, error)
+        stream = self._streams.pop(seq.request_id, None)
+        ids = new_ids or []
+        logprobs = _take(stream) if stream is not None and ids else None
+        return _output(seq, text, ids, reason, error, logprobs)
+
+
+def _take(stream: _Stream) -> list[TokenLogprob] | None:
+    """The logprobs of the tokens about to be handed out (all pending ones)."""
+    if stream.logprobs is None:
+        return None
+    taken, stream.logprobs = stream.logprobs, []
+    return taken
 
 
 def _output(
@@ -70,6 +89,7 @@ def _output(
     new_ids: list[int],
     reason: FinishReason | None = None,
     error: str | None = None,
+    logprobs: list[TokenLogprob] | None = None,
 ) -> RequestOutput:
     return RequestOutput(
         seq.request_id,
@@ -80,4 +100,5 @@ def _output(
         completion_tokens=seq.num_output_tokens,
         cached_prompt_tokens=seq.num_cached_prompt_tokens,
         error=error,
+        logprobs=logprobs,
     )

@@ -38,6 +38,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k best rivals
 
     def __post_init__(self) -> None:
         bad = sampling_violations(
@@ -47,6 +48,7 @@ class SamplingParams:
             top_k=self.top_k,
             seed=self.seed,
             stop=self.stop,
+            logprobs=self.logprobs,
         )
         if bad:
             raise InvalidRequestError(*bad[0])
@@ -75,6 +77,16 @@ class GenerationRequest:
             raise InvalidRequestError("weight", f"must be > 0, got {self.weight!r}")
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model (before temperature or top-k/top-p, as
+    vLLM reports by default) and the most likely tokens at that position, best first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class RequestOutput:
     """One streamed delta. The last one has ``finish_reason`` set and the final counts."""
@@ -87,6 +99,7 @@ class RequestOutput:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:

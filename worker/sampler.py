@@ -14,7 +14,7 @@ import secrets
 
 import torch
 
-from worker.request import SamplingParams
+from worker.request import SamplingParams, TokenLogprob
 
 
 class RequestRng:
@@ -62,3 +62,18 @@ def sample(
             assert rng is not None, "a sampled request needs its RequestRng"
             out[i] = _sample_one(logits[i], p, rng)
     return out
+
+
+def token_logprobs(
+    logits: torch.Tensor, rows: list[int], tokens: list[int], tops: list[int]
+) -> list[TokenLogprob]:
+    """Log-probabilities of ``tokens[i]`` in row ``rows[i]`` and the row's ``tops[i]`` best tokens."""
+    logp = torch.log_softmax(logits[rows].float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
+    k = max(tops, default=0)
+    best_v, best_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    best_v, best_i = best_v.tolist(), best_i.tolist()
+    return [
+        TokenLogprob(t, lp, tuple(zip(best_i[j][:n], best_v[j][:n], strict=True)))
+        for j, (t, lp, n) in enumerate(zip(tokens, chosen, tops, strict=True))
+    ]

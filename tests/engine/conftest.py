@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 
@@ -35,8 +37,8 @@ def prompt_ids(smollm: Checkpoint) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_reference(smollm: Checkpoint, prompt_ids: list[list[int]]) -> list[list[int]]:
-    """Greedy continuations from transformers' LlamaForCausalLM on the same dequantized weights."""
+def hf_model(smollm: Checkpoint) -> object:
+    """transformers' LlamaForCausalLM on the same dequantized weights: the reference."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(**smollm.config.to_hf_dict())
@@ -44,6 +46,13 @@ def hf_reference(smollm: Checkpoint, prompt_ids: list[list[int]]) -> list[list[i
     missing, unexpected = model.load_state_dict(smollm.weights, strict=False)
     assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
     model.tie_weights()
+    return model
+
+
+@pytest.fixture(scope="session")
+def hf_reference(smollm: Checkpoint, prompt_ids: list[list[int]], hf_model: Any) -> list[list[int]]:
+    """Greedy continuations from transformers' LlamaForCausalLM on the same dequantized weights."""
+    model = hf_model
     eos = list(smollm.tokenizer.eos_token_ids)
     outs = []
     with torch.inference_mode():

@@ -96,6 +96,7 @@ def test_context_limit_finishes_with_length(tiny_engine: LLMEngine) -> None:
         ("temperature", lambda e: _req("x", [65], temperature=2.5)),  # the gateway's range, not wider
         ("stop[0]", lambda e: _req("x", [65], stop=("",))),
         ("stop", lambda e: _req("x", [65], stop=tuple("abcdefghijklmnopq"))),
+        ("logprobs", lambda e: _req("x", [65], logprobs=21)),
     ],
 )
 def test_invalid_requests_name_their_field(tiny_engine: LLMEngine, field: str, make: object) -> None:
