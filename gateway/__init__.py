@@ -1,1 +1,3 @@
-"""The gRPC gateway: authentication, validation, admission, priority tagging, dispatch, streaming."""
+"""The gateway: one transport-neutral request path (authenticate, validate, admit, tag priority and
+salt, dispatch, stream, settle usage; gateway/request_path.py) and the fronts that adapt it (the gRPC
+servicer in gateway/service.py)."""

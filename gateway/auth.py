@@ -1,11 +1,15 @@
-"""Authentication interceptor: ``authorization: Bearer <key>`` -> the tenant, before any handler runs.
+"""Authentication interceptor: ``authorization: Bearer <key>`` metadata -> the caller, before any
+handler runs.
 
-The principal travels to the handler in a context variable (the interceptor's wrapper runs in the
-handler's own task). Health checks and reflection need no key.
+The rule itself is the request path's ``authenticate`` (every front calls the same one); this module
+only reads the gRPC metadata and answers UNAUTHENTICATED in gRPC's terms. The principal travels to
+the handler in a context variable (the interceptor's wrapper runs in the handler's own task). Health
+checks and reflection need no key.
 """
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
@@ -13,8 +17,11 @@ from typing import Any
 import grpc
 
 from gateway.api import SERVICE_NAME
-from gateway.errors import GatewayError, to_status
-from tenancy import AuthenticationError, Principal, Tenancy
+from gateway.errors import GatewayError
+from gateway.grpc_status import abort
+from tenancy import Principal
+
+Authenticate = Callable[[str | None], Principal]  # RequestPath.authenticate
 
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("loom_principal", default=None)
 
@@ -26,7 +33,7 @@ def current_principal() -> Principal:
     return principal
 
 
-def _token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
+def _authorization(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
     for key, value in metadata or ():
         if key == "authorization":
             return value if isinstance(value, str) else value.decode("latin-1")
@@ -34,20 +41,8 @@ def _token(metadata: tuple[tuple[str, str | bytes], ...] | None) -> str | None:
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    def __init__(self, tenancy: Tenancy, on_refused: Callable[[], None] | None = None) -> None:
-        self._tenancy = tenancy
-        self._on_refused = on_refused
-
-    def _authenticate(self, metadata: tuple[tuple[str, str | bytes], ...] | None) -> Principal:
-        token = _token(metadata)
-        if not token:
-            raise GatewayError(
-                grpc.StatusCode.UNAUTHENTICATED, "missing 'authorization: Bearer <api key>' metadata"
-            )
-        try:
-            return self._tenancy.authenticate(token)
-        except AuthenticationError as exc:
-            raise GatewayError(grpc.StatusCode.UNAUTHENTICATED, str(exc)) from None
+    def __init__(self, authenticate: Authenticate) -> None:
+        self._authenticate = authenticate
 
     async def intercept_service(
         self,
@@ -58,25 +53,20 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not details.method.startswith(f"/{SERVICE_NAME}/"):
             return handler
         authenticate = self._authenticate
-        on_refused = self._on_refused
-
-        async def refuse(err: GatewayError, context: grpc.aio.ServicerContext) -> None:
-            if on_refused is not None:
-                on_refused()
-            await context.abort_with_status(to_status(err))
 
         if handler.unary_stream is not None:
             inner_stream = handler.unary_stream
 
             async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
-                    principal = authenticate(context.invocation_metadata())
+                    principal = authenticate(_authorization(context.invocation_metadata()))
                 except GatewayError as err:
-                    await refuse(err, context)
+                    await abort(context, err)
                     return
                 _principal.set(principal)
-                async for item in inner_stream(request, context):
-                    yield item
+                async with contextlib.aclosing(inner_stream(request, context)) as items:
+                    async for item in items:
+                        yield item
 
             return grpc.unary_stream_rpc_method_handler(
                 stream, handler.request_deserializer, handler.response_serializer
@@ -86,9 +76,9 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
 
             async def unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
-                    principal = authenticate(context.invocation_metadata())
+                    principal = authenticate(_authorization(context.invocation_metadata()))
                 except GatewayError as err:
-                    await refuse(err, context)
+                    await abort(context, err)
                     return None
                 _principal.set(principal)
                 return await inner_unary(request, context)

@@ -8,9 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import grpc
-
-from gateway.errors import GatewayError
+from gateway.errors import ErrorKind, GatewayError
 from gateway.pools import EnginePool
 from tenancy import Tenant
 from worker.api import Tokenizer
@@ -54,10 +52,8 @@ class ModelCatalog:
         if route is not None:
             return route
         if not any(p == pool for p, _ in self._routes):
-            raise GatewayError(
-                grpc.StatusCode.UNAVAILABLE, f"the {pool!r} pool of this tenant is not deployed"
-            )
+            raise GatewayError(ErrorKind.UNAVAILABLE, f"the {pool!r} pool of this tenant is not deployed")
         served = sorted(m for p, m in self._routes if p == pool)
         raise GatewayError(
-            grpc.StatusCode.NOT_FOUND, f"model {model!r} is not served here; available: {', '.join(served)}"
+            ErrorKind.NOT_FOUND, f"model {model!r} is not served here; available: {', '.join(served)}"
         )

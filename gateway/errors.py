@@ -1,77 +1,61 @@
-"""Every refusal the gateway sends: a standard gRPC code, a precise message, and rich details.
+"""Every refusal the request path makes, in words no transport owns.
 
-RESOURCE_EXHAUSTED carries the retry delay twice: a ``google.rpc.RetryInfo`` detail (for clients that
-read rich status) and ``retry-after-ms`` trailing metadata (for everyone else). INVALID_ARGUMENT
-carries a ``google.rpc.BadRequest`` naming each offending field.
+A refusal is one :class:`GatewayError`: a :class:`ErrorKind`, a precise message, and what a client
+needs to act on it (each bad field, the quota that refused and how long to wait). Each front maps the
+kind to its own vocabulary: the gRPC servicer to a status code with rich details
+(gateway/grpc_status.py), the HTTP front to a status and OpenAI's error JSON. The kinds are named after
+the gRPC codes because those words are precise and well known, but this module imports no gRPC.
 """
 
 from __future__ import annotations
 
-import math
+import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import grpc
-from google.protobuf import duration_pb2
-from google.rpc import code_pb2, error_details_pb2, status_pb2
+from tenancy import TenancyError
+from worker.api import Violation
 
-RETRY_AFTER_METADATA = "retry-after-ms"
-QUOTA_METADATA = "loom-quota-limit"
+
+class ErrorKind(enum.StrEnum):
+    """Why a request was refused or ended early; the value names it in metrics and logs."""
+
+    INVALID_ARGUMENT = "invalid_argument"
+    UNAUTHENTICATED = "unauthenticated"
+    PERMISSION_DENIED = "permission_denied"
+    NOT_FOUND = "not_found"
+    ALREADY_EXISTS = "already_exists"
+    RESOURCE_EXHAUSTED = "resource_exhausted"
+    UNAVAILABLE = "unavailable"
+    CANCELLED = "cancelled"
+    DEADLINE_EXCEEDED = "deadline_exceeded"
+    INTERNAL = "internal"
 
 
 @dataclass
 class GatewayError(Exception):
-    code: grpc.StatusCode
+    kind: ErrorKind
     message: str
-    retry_after_s: float | None = None
+    retry_after_s: float | None = None  # RESOURCE_EXHAUSTED: the wait that can help (None: none can)
     limit: str | None = None  # which quota refused the request
-    violations: Sequence[tuple[str, str]] = field(default_factory=tuple)  # (field, description)
+    violations: Sequence[Violation] = field(default_factory=tuple)  # (field, description)
 
     def __str__(self) -> str:
-        return f"{self.code.name}: {self.message}"
+        return f"{self.kind.name}: {self.message}"
 
 
-def invalid_argument(violations: Sequence[tuple[str, str]]) -> GatewayError:
+def invalid_argument(violations: Sequence[Violation]) -> GatewayError:
+    """INVALID_ARGUMENT naming every bad field; the message lists them in the order given."""
     message = "; ".join(f"{f}: {d}" for f, d in violations)
-    return GatewayError(grpc.StatusCode.INVALID_ARGUMENT, message, violations=tuple(violations))
+    return GatewayError(ErrorKind.INVALID_ARGUMENT, message, violations=tuple(violations))
 
 
-@dataclass(frozen=True)
-class _Status(grpc.Status):
-    code: grpc.StatusCode
-    details: str
-    trailing_metadata: tuple[tuple[str, str | bytes], ...]
+def from_tenancy(exc: TenancyError) -> GatewayError:
+    """The one place tenancy's errors become gateway errors.
 
-
-def to_status(err: GatewayError) -> grpc.Status:
-    """The grpc.Status (code, message, trailing metadata with google.rpc details) for ``err``."""
-    rich = status_pb2.Status(code=getattr(code_pb2, err.code.name), message=err.message)
-    metadata: list[tuple[str, str | bytes]] = []
-    if err.retry_after_s is not None:
-        delay = max(0.0, err.retry_after_s)
-        whole = math.floor(delay)
-        info = error_details_pb2.RetryInfo(
-            retry_delay=duration_pb2.Duration(seconds=whole, nanos=int((delay - whole) * 1e9))
-        )
-        rich.details.add().Pack(info)
-        metadata.append((RETRY_AFTER_METADATA, str(math.ceil(delay * 1000))))
-    if err.limit is not None:
-        metadata.append((QUOTA_METADATA, err.limit))
-        quota = error_details_pb2.QuotaFailure(
-            violations=[error_details_pb2.QuotaFailure.Violation(subject="tenant", description=err.limit)]
-        )
-        rich.details.add().Pack(quota)
-    if err.violations:
-        bad = error_details_pb2.BadRequest(
-            field_violations=[
-                error_details_pb2.BadRequest.FieldViolation(field=f, description=d) for f, d in err.violations
-            ]
-        )
-        rich.details.add().Pack(bad)
-    metadata.append(("grpc-status-details-bin", rich.SerializeToString()))
-    return _Status(err.code, err.message, tuple(metadata))
-
-
-async def abort(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
-    """End the call with ``err`` (raises, as ``context.abort`` does)."""
-    await context.abort_with_status(to_status(err))
+    Tenancy names the answer it wants in ``grpc_code`` (a plain string, so that it imports no gRPC);
+    the same words are our kinds. A name we have no kind for (``ABORTED`` from admin writes, which
+    never reach the request path) is an internal error rather than a guess.
+    """
+    kind = ErrorKind.__members__.get(exc.grpc_code, ErrorKind.INTERNAL)
+    return GatewayError(kind, str(exc))

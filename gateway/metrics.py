@@ -20,7 +20,7 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 
 REQUESTS = Counter(
     "loom:gateway_requests",
-    "Generate calls by tenant, priority and final gRPC code.",
+    "Completion calls by tenant, priority and final code (gRPC's code names, whatever the front).",
     ["tenant", "priority", "code"],
 )
 TTFT = Histogram(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -38,7 +38,7 @@ class EnginePool(Protocol):
 
     async def describe(self) -> PoolModel: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
     def replica_stats(self) -> dict[str, EngineStats]: ...
 
@@ -52,7 +52,7 @@ class LocalEnginePool:
         core = self.engine.engine
         return PoolModel(core.model_name, core.max_model_len, core.model_config.vocab_size)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         # Closing this generator closes the engine's stream at once, which aborts the request.
         async with contextlib.aclosing(self.engine.generate(request)) as stream:
             async for out in stream:
@@ -80,7 +80,7 @@ class ServeEnginePool:
         info = await self._handle.model_info.remote()
         return PoolModel(info["model"], int(info["context_length"]), int(info["vocab_size"]))
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         import ray.exceptions
         from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 

@@ -12,9 +12,10 @@ bytes of an unfinished character) is recovered by decoding the delivered tokens 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 
 from gateway.pools import EnginePool, WorkerLostError
 from worker.api import GenerationRequest, RequestOutput, Tokenizer
@@ -26,22 +27,24 @@ MAX_RESUMES = 2
 
 async def resumable_stream(
     pool: EnginePool, request: GenerationRequest, tokenizer: Tokenizer, max_resumes: int = MAX_RESUMES
-) -> AsyncIterator[RequestOutput]:
+) -> AsyncGenerator[RequestOutput, None]:
     delivered: list[int] = []
     text = ""
     cached = 0
     current = request
     for attempt in range(max_resumes + 1):
         try:
-            async for out in pool.generate(current):
-                if attempt == 0:
-                    cached = out.cached_prompt_tokens
-                delivered += out.token_ids
-                text += out.text
-                out.prompt_tokens = len(request.prompt_token_ids)
-                out.completion_tokens = len(delivered)
-                out.cached_prompt_tokens = cached
-                yield out
+            # Closing this stream closes the pool's at once, which stops the request in the engine.
+            async with contextlib.aclosing(pool.generate(current)) as outputs:
+                async for out in outputs:
+                    if attempt == 0:
+                        cached = out.cached_prompt_tokens
+                    delivered += out.token_ids
+                    text += out.text
+                    out.prompt_tokens = len(request.prompt_token_ids)
+                    out.completion_tokens = len(delivered)
+                    out.cached_prompt_tokens = cached
+                    yield out
             return
         except WorkerLostError:
             remaining = request.sampling.max_tokens - len(delivered)

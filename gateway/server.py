@@ -1,7 +1,8 @@
 """The grpc.aio server: Inference + health + reflection, optional TLS/mTLS, metrics, graceful drain.
 
 The same class runs inside ``loom serve`` and inside a Ray Serve replica (gateway/serve_ingress.py):
-one code path however the gateway is deployed.
+one code path however the gateway is deployed. It owns the :class:`RequestPath` that the gRPC servicer
+adapts (``server.path``), so another front in the same process serves through the very same path.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from grpc_reflection.v1alpha import reflection
 from gateway.api import SERVICE_NAME, pb_grpc
 from gateway.auth import AuthInterceptor
 from gateway.catalog import ModelCatalog
-from gateway.metrics import AUTH_REFUSALS, ENGINE, ReplicaRow, start_metrics_server
+from gateway.metrics import ENGINE, ReplicaRow, start_metrics_server
+from gateway.request_path import RequestPath
 from gateway.service import InferenceService
 from gateway.settings import GatewaySettings
 from tenancy import Tenancy
@@ -34,6 +36,7 @@ class GatewayServer:
         self.settings = settings
         self.tenancy = tenancy
         self.catalog = catalog
+        self.path = RequestPath(tenancy, catalog, settings)
         self.port: int | None = None
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
@@ -57,11 +60,11 @@ class GatewayServer:
     async def start(self) -> GatewayServer:
         s = self.settings
         server = grpc.aio.server(
-            interceptors=[AuthInterceptor(self.tenancy, on_refused=AUTH_REFUSALS.inc)],
+            interceptors=[AuthInterceptor(self.path.authenticate)],
             maximum_concurrent_rpcs=s.max_concurrent_streams,
             options=[("grpc.so_reuseport", 0)],
         )
-        pb_grpc.add_InferenceServicer_to_server(InferenceService(self.tenancy, self.catalog, s), server)
+        pb_grpc.add_InferenceServicer_to_server(InferenceService(self.path), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
         reflection.enable_server_reflection([SERVICE_NAME, health_name, reflection.SERVICE_NAME], server)

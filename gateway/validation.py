@@ -1,106 +1,135 @@
-"""Field-by-field validation of a GenerateRequest; every violation is named, all at once."""
+"""Field-by-field validation of a neutral request; every violation is named, all at once.
+
+The sampling fields are checked by ``worker.api.sampling_violations`` against ``worker.api.LIMITS``,
+the very rules the engine applies, so the gateway can never accept what the engine would refuse (or
+the other way round). What only the gateway knows stays here: the prompt's size in UTF-8 bytes (checked
+before any tokenizing work is spent on it), chat roles, the model name and the request id's shape.
+"""
 
 from __future__ import annotations
 
-import math
 import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from gateway.api import pb
+from common import Priority
 from gateway.errors import invalid_argument
+from gateway.schema import ROLES, ChatMessage, InferenceRequest
 from tenancy.admission import REQUEST_ID_PATTERN
+from worker.api import LIMITS, Violation, sampling_violations
 
-MAX_PROMPT_CHARS = 1_000_000
-MAX_MESSAGES = 512
-MAX_STOP = 16
-MAX_STOP_CHARS = 256
-MAX_TOKENS_CEILING = 1_000_000
-_ROLES = ("system", "user", "assistant")
+MAX_MODEL_NAME_CHARS = 256
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
-PRIORITY_NAMES = {
-    pb.PRIORITY_INTERACTIVE: "interactive",
-    pb.PRIORITY_STANDARD: "standard",
-    pb.PRIORITY_BATCH: "batch",
-}
 
 
 @dataclass(frozen=True)
 class ValidRequest:
+    """A request that passed validation, with its defaults that need no tenant or model filled in."""
+
     model: str
     prompt: str | None
-    messages: list[dict[str, str]] | None
-    max_tokens: int | None  # None: the gateway's default
+    messages: list[dict[str, str]] | None  # as the tokenizer's chat template takes them
+    prompt_bytes: int  # UTF-8 bytes of the prompt, or of all message contents together
+    max_tokens: int | None  # None: the gateway's default, bounded by the context
     temperature: float
     top_p: float
     top_k: int
     seed: int | None
     stop: tuple[str, ...]
-    priority_hint: str | None  # None: the tenant's default
+    priority: Priority | None  # None: the tenant's default
     request_id: str
 
 
-def validate(req: pb.GenerateRequest) -> ValidRequest:
-    """Return the request's values, or raise GatewayError(INVALID_ARGUMENT) naming each bad field."""
-    bad: list[tuple[str, str]] = []
-    if not req.model:
-        bad.append(("model", "is required"))
-    elif len(req.model) > 256:
-        bad.append(("model", "is longer than 256 characters"))
+_LONE_SURROGATE = "is not valid Unicode text (it holds a lone surrogate)"
 
-    has_prompt, has_messages = bool(req.prompt), len(req.messages) > 0
-    if has_prompt and has_messages:
+
+def _utf8_bytes(text: str) -> int | None:
+    """The UTF-8 size of ``text``; None if it holds a lone surrogate (possible from JSON ``\\ud800``)."""
+    if text.isascii():  # O(1) in CPython: most prompts are counted without copying them
+        return len(text)
+    try:
+        return len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        return None
+
+
+def _prompt_violations(
+    prompt: str | None, messages: Sequence[ChatMessage] | None
+) -> tuple[list[Violation], int]:
+    """The prompt's violations, and its size: UTF-8 bytes of the prompt and every message content."""
+    bad: list[Violation] = []
+    if prompt and messages:
         bad.append(("prompt", "prompt and messages are mutually exclusive; send one"))
-    elif not has_prompt and not has_messages:
+    elif not prompt and not messages:
         bad.append(("prompt", "one of prompt or messages is required"))
-    if len(req.prompt) > MAX_PROMPT_CHARS:
-        bad.append(("prompt", f"is longer than {MAX_PROMPT_CHARS} characters"))
-    if len(req.messages) > MAX_MESSAGES:
-        bad.append(("messages", f"more than {MAX_MESSAGES} messages"))
-    total = 0
-    for i, m in enumerate(req.messages):
-        if m.role not in _ROLES:
-            bad.append((f"messages[{i}].role", f"must be one of {', '.join(_ROLES)}, got {m.role!r}"))
-        total += len(m.content)
-    if total > MAX_PROMPT_CHARS:
-        bad.append(("messages", f"contents are longer than {MAX_PROMPT_CHARS} characters in all"))
+    limit = LIMITS.max_prompt_bytes
+    size = 0
+    if prompt:
+        n = _utf8_bytes(prompt)
+        if n is None:
+            bad.append(("prompt", _LONE_SURROGATE))
+        elif n > limit:
+            bad.append(("prompt", f"is {n} bytes of UTF-8; the limit is {limit}"))
+        size += n or 0
+    if messages:
+        if len(messages) > LIMITS.max_messages:
+            bad.append(("messages", f"more than {LIMITS.max_messages} messages"))
+        total = 0
+        for i, m in enumerate(messages):
+            if m.role not in ROLES:
+                bad.append((f"messages[{i}].role", f"must be one of {', '.join(ROLES)}, got {m.role!r}"))
+            n = _utf8_bytes(m.content)
+            if n is None:
+                bad.append((f"messages[{i}].content", _LONE_SURROGATE))
+            total += n or 0
+        if total > limit:
+            bad.append(("messages", f"contents are {total} bytes of UTF-8 in all; the limit is {limit}"))
+        size += total
+    return bad, size
 
-    if req.HasField("max_tokens") and not (1 <= req.max_tokens <= MAX_TOKENS_CEILING):
-        bad.append(("max_tokens", f"must be between 1 and {MAX_TOKENS_CEILING}, got {req.max_tokens}"))
-    temperature = req.temperature if req.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= 2.0):
-        bad.append(("temperature", f"must be in [0, 2], got {temperature}"))
-    top_p = req.top_p if req.HasField("top_p") else 1.0
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        bad.append(("top_p", f"must be in (0, 1], got {top_p}"))
-    if req.top_k > 1_000_000:
-        bad.append(("top_k", f"must be at most 1000000, got {req.top_k}"))
-    if req.HasField("seed") and req.seed >= 2**63:
-        bad.append(("seed", "must be below 2**63"))
-    if len(req.stop) > MAX_STOP:
-        bad.append(("stop", f"at most {MAX_STOP} stop strings, got {len(req.stop)}"))
-    for i, s in enumerate(req.stop):
-        if not s or len(s) > MAX_STOP_CHARS:
-            bad.append((f"stop[{i}]", f"must be 1 to {MAX_STOP_CHARS} characters"))
-    if req.priority != pb.PRIORITY_UNSPECIFIED and req.priority not in PRIORITY_NAMES:
-        bad.append(("priority", f"unknown priority {req.priority}"))
-    if req.request_id and not _REQUEST_ID.fullmatch(req.request_id):
+
+def validate(request: InferenceRequest, decode_violations: Sequence[Violation] = ()) -> ValidRequest:
+    """Return the request's values, or raise GatewayError(INVALID_ARGUMENT) naming each bad field.
+
+    ``decode_violations`` are what the front found while decoding its wire format (an unknown enum
+    value, a wrong JSON type); they are reported first, together with everything found here.
+    """
+    bad: list[Violation] = list(decode_violations)
+    if not request.model:
+        bad.append(("model", "is required"))
+    elif len(request.model) > MAX_MODEL_NAME_CHARS:
+        bad.append(("model", f"is longer than {MAX_MODEL_NAME_CHARS} characters"))
+    prompt_bad, prompt_bytes = _prompt_violations(request.prompt, request.messages)
+    bad += prompt_bad
+    # An unset max_tokens is resolved after tokenizing (the context bounds it): check the others.
+    bad += sampling_violations(
+        max_tokens=1 if request.max_tokens is None else request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=request.stop,
+    )
+    if request.request_id is not None and not _REQUEST_ID.fullmatch(request.request_id):
         bad.append(
             ("request_id", "must be 1-128 letters, digits or . _ : - and start with a letter or digit")
         )
     if bad:
         raise invalid_argument(bad)
-
     return ValidRequest(
-        model=req.model,
-        prompt=req.prompt if has_prompt else None,
-        messages=[{"role": m.role, "content": m.content} for m in req.messages] if has_messages else None,
-        max_tokens=req.max_tokens if req.HasField("max_tokens") else None,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=req.top_k,
-        seed=req.seed if req.HasField("seed") else None,
-        stop=tuple(req.stop),
-        priority_hint=PRIORITY_NAMES.get(req.priority),
-        request_id=req.request_id or uuid.uuid4().hex,
+        model=request.model,
+        prompt=request.prompt or None,
+        messages=[{"role": m.role, "content": m.content} for m in request.messages]
+        if request.messages
+        else None,
+        prompt_bytes=prompt_bytes,
+        max_tokens=request.max_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        top_k=request.top_k,
+        seed=request.seed,
+        stop=tuple(request.stop),
+        priority=request.priority,
+        request_id=request.request_id or uuid.uuid4().hex,
     )

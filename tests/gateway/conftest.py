@@ -20,12 +20,11 @@ from gateway.pools import ServeEnginePool
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from loom.app import PoolSpec, engine_app
-from loom.settings import EngineSettings
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tests.helpers import eventually
-from worker.api import load_tokenizer, process_registry
-from worker.random_model import random_checkpoint, save_hf_dir
+from tests.support.random_model import random_checkpoint, save_hf_dir
+from worker.api import EngineConfig, load_tokenizer, process_registry
 
 SECRET = "gateway-test-secret-0123456789abcdef"
 TINY = "tiny"
@@ -51,11 +50,11 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_hf_dir(random_checkpoint(), tmp_path_factory.mktemp("models") / TINY)
 
 
-def _tiny_engine(tiny_dir: Path, **kw: Any) -> EngineSettings:
+def _tiny_engine(tiny_dir: Path, **kw: Any) -> EngineConfig:
     base: dict[str, Any] = dict(
         model_path=str(tiny_dir), block_size=8, kv_cache_memory_mb=8, max_num_seqs=4, num_threads=1
     )
-    return EngineSettings(**{**base, **kw})
+    return EngineConfig(**{**base, **kw})
 
 
 def deploy(pool: PoolSpec) -> Any:
@@ -70,7 +69,7 @@ def engine_handles(ray_serve: None, tiny_dir: Path) -> dict[str, Any]:
     specs = {
         "tiny": PoolSpec(name="shared", engine=_tiny_engine(tiny_dir)),
         "smol": PoolSpec(
-            name="shared", engine=EngineSettings(kv_cache_memory_mb=64, num_threads=1, max_num_seqs=8)
+            name="shared", engine=EngineConfig(kv_cache_memory_mb=64, num_threads=1, max_num_seqs=8)
         ),
         "vip": PoolSpec(name="vip", engine=_tiny_engine(tiny_dir)),
     }

@@ -11,7 +11,7 @@ from google.rpc import error_details_pb2, status_pb2
 
 from common import Priority
 from gateway.api import pb
-from gateway.errors import RETRY_AFTER_METADATA
+from gateway.grpc_status import RETRY_AFTER_METADATA
 from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually
 from worker.api import EngineConfig, GenerationRequest, LLMEngine, SamplingParams, load_checkpoint
 

@@ -1,0 +1,328 @@
+"""The one request path every front calls; the gRPC servicer and the HTTP front only translate.
+
+A completion request goes through these steps, each a method of :class:`RequestPath`:
+
+1. ``authenticate``: the ``authorization`` value -> the caller's :class:`~tenancy.Principal`;
+2. ``validate`` (gateway/validation.py): every bad field named at once;
+3. ``_route``: the tenant's status and model access, then the model's existence in its pool;
+4. ``_tokenize``: the prompt, or the messages through the model's chat template, to token ids;
+5. ``_size``: the prompt must leave room in the context; ``max_tokens`` resolved and bounded;
+   the tenant's per-request limits;
+6. ``_tag``: the engine request: priority (hint capped by the tenant's ceiling) and the tenant's
+   prefix-cache salt, both decided here, never taken from the client;
+7. ``_admit``: quotas, in one atomic call to the admission backend (Redis, or in-process);
+8. ``_dispatch``: the lease is held while the stream from the engine pool (resumed on another replica
+   if one is lost) is turned into neutral deltas; leaving it settles usage exactly once.
+
+So refusals come in this order: authentication (UNAUTHENTICATED), bad fields (INVALID_ARGUMENT), the
+tenant's status and model access (PERMISSION_DENIED), the model's existence (NOT_FOUND, or UNAVAILABLE
+when the tenant's pool is not deployed), sizes (INVALID_ARGUMENT), then quotas (RESOURCE_EXHAUSTED
+with a retry delay; ALREADY_EXISTS for a request id already used). Tagging refuses nothing, so it
+runs before admission: a quota refusal is then counted under the request's priority.
+
+Metrics are recorded here, once, whatever the front: calls by their final code, latencies, tokens and
+refusals. Only a front knows whether its client went away or its deadline passed, so it tells the path
+(``ended_early``). This module and its helpers import no gRPC; a test holds that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, Callable, Sequence
+from dataclasses import dataclass
+
+from gateway.catalog import ModelCatalog, ModelRoute
+from gateway.errors import ErrorKind, GatewayError, from_tenancy, invalid_argument
+from gateway.metrics import (
+    AUTH_REFUSALS,
+    E2E,
+    GENERATION_TOKENS,
+    PROMPT_TOKENS,
+    REFUSALS,
+    REQUESTS,
+    TPOT,
+    TTFT,
+)
+from gateway.pools import WorkerLostError
+from gateway.resume import resumable_stream
+from gateway.schema import Delta, InferenceRequest, ServedModel, Usage
+from gateway.settings import GatewaySettings
+from gateway.validation import ValidRequest, validate
+from tenancy import Admission, AuthenticationError, Limit, Principal, Tenancy, TenancyError, Tenant
+from worker.api import (
+    EngineDeadError,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+    SamplingParams,
+    TemplateError,
+    Tokenizer,
+    Violation,
+)
+
+log = logging.getLogger(__name__)
+
+# Below this many UTF-8 bytes a prompt is tokenized on the event loop: the work takes microseconds,
+# less than a hop to a worker thread. Above it, a thread keeps a huge prompt from stalling every stream.
+INLINE_TOKENIZE_BYTES = 16 * 1024
+
+OK = "OK"  # the final code of a call that streamed to its end (gRPC's name, as every other code)
+
+
+def client_left() -> ErrorKind:
+    """The default answer to "how did the call end early?": the client went away."""
+    return ErrorKind.CANCELLED
+
+
+@dataclass
+class _Call:
+    """What the metrics need to know about one call, filled in as the path learns it."""
+
+    tenant: str
+    started: float
+    priority: str = "unknown"
+    code: str = OK
+
+
+class RequestPath:
+    def __init__(self, tenancy: Tenancy, catalog: ModelCatalog, settings: GatewaySettings) -> None:
+        self.tenancy = tenancy
+        self.catalog = catalog
+        self.settings = settings
+
+    # ---- the operations fronts call ------------------------------------------------------------------
+
+    def authenticate(self, authorization: str | None) -> Principal:
+        """Step 1: an ``authorization`` value (``Bearer <api key>``) -> the caller. No I/O.
+
+        Every bad key gets the same answer, so a caller cannot learn why a key failed.
+        """
+        if not authorization:
+            AUTH_REFUSALS.inc()
+            raise GatewayError(ErrorKind.UNAUTHENTICATED, "missing 'authorization: Bearer <api key>'")
+        try:
+            return self.tenancy.authenticate(authorization)
+        except AuthenticationError as exc:
+            AUTH_REFUSALS.inc()
+            raise GatewayError(ErrorKind.UNAUTHENTICATED, str(exc)) from None
+
+    def list_models(self, principal: Principal) -> list[ServedModel]:
+        """The models this caller may use, in the pool that serves its tenant."""
+        return [
+            ServedModel(r.model, r.context_length, r.pool.name)
+            for r in self.catalog.visible_to(principal.tenant)
+        ]
+
+    async def generate(
+        self,
+        principal: Principal,
+        request: InferenceRequest,
+        *,
+        decode_violations: Sequence[Violation] = (),
+        ended_early: Callable[[], ErrorKind] = client_left,
+    ) -> AsyncGenerator[Delta, None]:
+        """Steps 2-8 for one completion; yields deltas, raises :class:`GatewayError` on a refusal.
+
+        ``decode_violations``: bad fields the front found decoding its wire format, reported with the
+        rest. ``ended_early``: asked when the front stops the stream (its task cancelled, or the stream
+        closed) for the code its client got: CANCELLED, or DEADLINE_EXCEEDED. A front iterates to the
+        end (the stream ends right after the delta with a finish reason; stopping earlier, even just
+        after that delta, counts as ended early) and closes the stream when it stops
+        (``contextlib.aclosing``), so the engine's work is aborted and the lease settled at once.
+        """
+        tenant = principal.tenant
+        call = _Call(tenant.id, time.monotonic())
+        try:
+            valid = validate(request, decode_violations)
+            route = self._route(tenant, valid.model)
+            prompt_ids = await self._tokenize(route.tokenizer, valid)
+            sampling = self._size(tenant, valid, route, len(prompt_ids))
+            engine_request = self._tag(tenant, valid, prompt_ids, sampling)
+            call.priority = engine_request.priority.value
+            admission = await self._admit(tenant, valid.request_id, engine_request)
+            deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)
+            async with contextlib.aclosing(deltas):  # closing us settles the lease now, not at GC
+                async for delta in deltas:
+                    yield delta
+        except GatewayError as err:
+            call.code = err.kind.name
+            _count_refusal(tenant.id, err)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            call.code = ended_early().name
+            raise
+        except Exception as exc:  # a bug: the client gets INTERNAL, the log gets the traceback
+            log.exception("request of tenant %s failed", tenant.id)
+            call.code = ErrorKind.INTERNAL.name
+            raise GatewayError(ErrorKind.INTERNAL, "internal error") from exc
+        finally:
+            REQUESTS.labels(call.tenant, call.priority, call.code).inc()
+
+    # ---- the steps -----------------------------------------------------------------------------------
+
+    def _check(self, tenant: Tenant, model: str, prompt_tokens: int, max_tokens: int) -> None:
+        try:
+            self.tenancy.check_request(
+                tenant, model=model, prompt_tokens=prompt_tokens, max_tokens=max_tokens
+            )
+        except TenancyError as exc:
+            raise from_tenancy(exc) from None
+
+    def _route(self, tenant: Tenant, model: str) -> ModelRoute:
+        """Step 3: status and model access (PERMISSION_DENIED) before the model's existence, so a
+        suspended tenant learns nothing about what is deployed."""
+        self._check(tenant, model, prompt_tokens=0, max_tokens=1)
+        return self.catalog.route(tenant, model)
+
+    async def _tokenize(self, tokenizer: Tokenizer, v: ValidRequest) -> list[int]:
+        """Step 4: token ids, counted here so admission reserves exact prompt tokens before any
+        replica is involved."""
+
+        def encode() -> list[int]:
+            if v.messages is not None:
+                return tokenizer.encode_chat(v.messages)
+            return tokenizer.encode(v.prompt or "")
+
+        try:
+            ids = encode() if v.prompt_bytes <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(encode)
+        except TemplateError as exc:  # the model has no chat template, or the template refused
+            raise invalid_argument([("messages", str(exc))]) from None
+        if not ids:
+            raise invalid_argument([("prompt", "is empty after tokenization")])
+        return ids
+
+    def _size(self, tenant: Tenant, v: ValidRequest, route: ModelRoute, n_prompt: int) -> SamplingParams:
+        """Step 5: the context bounds generation (finish_reason says length); an unset max_tokens
+        takes the gateway's default, capped by the tenant's per-request limit."""
+        room = route.context_length - n_prompt
+        if room < 1:
+            raise invalid_argument(
+                [
+                    (
+                        "prompt",
+                        f"{n_prompt} tokens leave no room in {v.model}'s context of "
+                        f"{route.context_length} tokens",
+                    )
+                ]
+            )
+        if v.max_tokens is None:
+            cap = tenant.quotas.max_tokens_per_request
+            max_tokens = min(self.settings.default_max_tokens, cap if cap is not None else room, room)
+        else:
+            max_tokens = min(v.max_tokens, room)
+        self._check(tenant, v.model, n_prompt, max_tokens)
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=v.temperature,
+                top_p=v.top_p,
+                top_k=v.top_k,
+                seed=v.seed,
+                stop=v.stop,
+            )
+        except InvalidRequestError as exc:  # only max_tokens is new since validation
+            raise invalid_argument([(exc.field, exc.detail)]) from None
+
+    def _tag(
+        self, tenant: Tenant, v: ValidRequest, prompt_ids: list[int], sampling: SamplingParams
+    ) -> GenerationRequest:
+        """Step 6: what the engine schedules by. The engine's request id is scoped by tenant, so two
+        tenants' ids never collide in a replica."""
+        return GenerationRequest(
+            request_id=f"{tenant.id}/{v.request_id}",
+            prompt_token_ids=prompt_ids,
+            sampling=sampling,
+            tenant=tenant.id,
+            priority=tenant.effective_priority(v.priority),
+            weight=tenant.weight,
+            cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
+        )
+
+    async def _admit(self, tenant: Tenant, request_id: str, request: GenerationRequest) -> Admission:
+        """Step 7: one atomic reservation of a request, prompt + max_tokens tokens and a lease."""
+        try:
+            admission = await self.tenancy.admission.admit(
+                tenant, request_id, len(request.prompt_token_ids), request.sampling.max_tokens
+            )
+        except TenancyError as exc:
+            raise from_tenancy(exc) from None
+        if not admission.granted:
+            if admission.limit is Limit.DUPLICATE_REQUEST:
+                raise GatewayError(
+                    ErrorKind.ALREADY_EXISTS, f"request_id {request_id!r} was already used; send a new one"
+                )
+            wait = admission.retry_after_s
+            hint = f"; retry in {wait:.2f} s" if wait is not None else "; retrying cannot help"
+            raise GatewayError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"{admission.limit} quota exhausted{hint}",
+                retry_after_s=wait,
+                limit=str(admission.limit),
+            )
+        if admission.duplicate:  # the same request id is streaming right now: its lease is not ours
+            raise GatewayError(ErrorKind.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
+        return admission
+
+    async def _dispatch(
+        self,
+        tenant: Tenant,
+        v: ValidRequest,
+        route: ModelRoute,
+        request: GenerationRequest,
+        admission: Admission,
+        call: _Call,
+    ) -> AsyncGenerator[Delta, None]:
+        """Step 8: dispatch, stream, settle. The lease is renewed while the stream runs and finished
+        exactly once when ``hold`` exits, however the stream ends (usage recorded: the tokens actually
+        delivered; the unused reservation refunded)."""
+        PROMPT_TOKENS.labels(tenant.id).inc(len(request.prompt_token_ids))
+        if self.settings.log_prompts:
+            log.info("request %s tenant %s prompt %r", v.request_id, tenant.id, v.prompt or v.messages)
+        priority = call.priority
+        first_token_at: float | None = None
+        last_token_at = call.started
+        delivered = 0
+        async with self.tenancy.admission.hold(tenant, admission) as lease:
+            try:
+                outputs = resumable_stream(route.pool, request, route.tokenizer)
+                async with contextlib.aclosing(outputs):
+                    async for out in outputs:
+                        now = time.monotonic()
+                        if out.token_ids:
+                            if first_token_at is None:
+                                first_token_at = now
+                                TTFT.labels(priority).observe(now - call.started)
+                            last_token_at = now
+                            delivered += len(out.token_ids)
+                            GENERATION_TOKENS.labels(tenant.id).inc(len(out.token_ids))
+                        lease.completion_tokens = out.completion_tokens
+                        yield _delta(v.request_id, out)
+                        if out.finish_reason is FinishReason.ERROR:
+                            raise GatewayError(ErrorKind.UNAVAILABLE, f"the engine failed: {out.error}")
+            except (WorkerLostError, EngineDeadError) as exc:
+                raise GatewayError(ErrorKind.UNAVAILABLE, str(exc)) from None
+            except InvalidRequestError as exc:  # the engine disagreed with the gateway's checks
+                raise invalid_argument([(exc.field, exc.detail)]) from None
+        E2E.labels(priority).observe(time.monotonic() - call.started)
+        if first_token_at is not None and delivered > 1:
+            TPOT.labels(priority).observe((last_token_at - first_token_at) / (delivered - 1))
+
+
+def _delta(request_id: str, out: RequestOutput) -> Delta:
+    """An engine output as a neutral delta, echoing the client's request id (not the engine's)."""
+    usage = (
+        Usage(out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens) if out.finished else None
+    )
+    return Delta(request_id, out.text, tuple(out.token_ids), out.finish_reason, usage)
+
+
+def _count_refusal(tenant_id: str, err: GatewayError) -> None:
+    """Refusals by reason: the quota that refused, or the client's mistake (bad field, no access)."""
+    if err.limit is not None:
+        REFUSALS.labels(tenant_id, err.limit).inc()
+    elif err.kind in (ErrorKind.INVALID_ARGUMENT, ErrorKind.PERMISSION_DENIED):
+        REFUSALS.labels(tenant_id, err.kind.value).inc()
