@@ -15,13 +15,18 @@ Semantics (both implementations):
 
 * requests/min and tokens/min are token buckets with one minute of capacity, refilled continuously;
   an admission takes 1 request and ``prompt_tokens + max_tokens`` tokens;
-* concurrency is a lease that expires ``lease_ttl_s`` after admission or the last renewal;
+* concurrency is a lease that expires ``lease_ttl_s`` after admission or the last renewal; each
+  renewal also reports the completion tokens delivered so far, stored with the lease;
 * daily (UTC day) and monthly (UTC calendar month) token budgets count reservations immediately and
   are corrected to the actual usage at finish;
+* a lease that lapses without a finish (its gateway died) is *settled* by whichever call notices the
+  lapse first (an admission or renewal of the tenant, a finish, or the periodic ``sweep``): exactly as
+  if ``finish`` had been called with the tokens of its last renewal and ``Outcome.EXPIRED``; once
+  settled, a late ``finish`` or ``renew`` of that request changes nothing;
 * all-or-nothing: a refusal changes nothing; it names the limit that needs the longest wait and that
   wait (``retry_after_s``; ``None`` when waiting can never help);
 * idempotent by request id: a repeated ``admit`` of a running request returns its grant again
-  (``duplicate=True``), a repeated ``finish`` is a no-op.
+  (``duplicate=True``), a repeated ``finish`` is a no-op, and a lease is settled exactly once.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ import asyncio
 import contextlib
 import logging
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from types import TracebackType
@@ -65,6 +70,9 @@ class Outcome(StrEnum):
     OK = "ok"
     CANCELLED = "cancelled"
     ERROR = "error"
+    EXPIRED = "expired"
+    """The lease lapsed without a finish (the gateway died or stalled): settled by the quota store
+    from the lease's last renewal. Metered as a request with usage field ``expired``."""
 
 
 class QuotaMode(StrEnum):
@@ -105,8 +113,10 @@ class Renewal:
     renewed: bool
     lease_expires_at: float | None = None
     reason: str = ""
-    """On failure: ``unknown`` (no such running request), ``finished``, or ``lost`` (the lease lapsed
-    and its slot was taken meanwhile). ``reacquired`` on success after a lapse."""
+    """On failure: ``unknown`` (no such running request), ``finished``, ``lost`` (the lease lapsed and
+    has been settled from its last renewal: the request is over as far as quotas go; a later finish
+    is a no-op), or ``unavailable`` (the quota store did not answer). ``reacquired`` on success after
+    a lapse that nobody had settled yet, while a slot was free."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +187,12 @@ def validate_request_id(request_id: str) -> None:
         )
 
 
+def validate_renew(request_id: str, completion_tokens: int | None) -> None:
+    validate_request_id(request_id)
+    if completion_tokens is not None and (not isinstance(completion_tokens, int) or completion_tokens < 0):
+        raise TenancyArgumentError(f"completion_tokens must be an integer >= 0, got {completion_tokens!r}")
+
+
 def validate_finish(request_id: str, completion_tokens: int, prompt_tokens: int | None) -> None:
     """The argument checks every ``finish`` implementation makes before touching any state."""
     validate_request_id(request_id)
@@ -202,7 +218,10 @@ class QuotaEnforcer(Protocol):
         self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int
     ) -> Admission: ...
 
-    async def renew(self, tenant: Tenant, request_id: str) -> Renewal: ...
+    async def renew(self, tenant: Tenant, request_id: str, completion_tokens: int | None = None) -> Renewal:
+        """Extend the lease; ``completion_tokens`` (tokens delivered so far) is stored with it, and is
+        what the request is charged if the lease lapses before ``finish`` (``None``: keep the last)."""
+        ...
 
     async def finish(
         self,
@@ -216,11 +235,20 @@ class QuotaEnforcer(Protocol):
 
     def hold(self, tenant: Tenant, admission: Admission) -> ActiveLease: ...
 
+    async def sweep(self, tenants: Iterable[Tenant] = ()) -> int:
+        """Settle lapsed leases (bounded work per call); returns how many were settled.
+
+        Admissions settle the lapsed leases of their own tenant; the runtime calls this periodically
+        so that a tenant with no traffic gets its lapsed leases settled too."""
+        ...
+
 
 class ActiveLease:
     """Keeps a granted admission's lease alive while a stream runs, and finishes it exactly once.
 
-    Use as ``async with``: the lease is renewed every ``lease_ttl_s / 3`` in a background task; leaving
+    Use as ``async with``: the lease is renewed every ``lease_ttl_s / 3`` in a background task, each
+    renewal reporting the current ``completion_tokens`` (so that if this process dies, the request is
+    settled with what it had delivered by its last renewal); leaving
     the block finishes the request with the tokens counted in ``completion_tokens``, as ``ok``, or
     ``cancelled`` (task cancelled) or ``error`` (any other exception). The finish is shielded from a
     second cancellation so that a client disconnect can never leak the slot or lose the usage.
@@ -283,7 +311,9 @@ class ActiveLease:
         while True:
             await asyncio.sleep(self._interval)
             try:
-                renewal = await self._enforcer.renew(self._tenant, self.request_id)
+                renewal = await self._enforcer.renew(
+                    self._tenant, self.request_id, completion_tokens=self.completion_tokens
+                )
             except asyncio.CancelledError:
                 raise
             except Exception:  # a renewal failure must never kill the stream it protects

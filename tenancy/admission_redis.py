@@ -15,6 +15,12 @@ short timeouts, the enforcer switches mode, logs the transition, sets the gauge,
 While down it does not touch Redis on every request (that would add a timeout to each): one call per
 ``redis_probe_interval_s`` probes it (and a background probe does the same when started). On recovery
 the buffered finishes are replayed; they are idempotent by request id, so a replay never double-counts.
+
+Lapsed leases (a gateway died mid-stream) are settled by the script whenever a call of the tenant
+notices them, and by :meth:`RedisAdmission.sweep`, which the runtime calls periodically over the
+tenants it knows (a bounded number per call, one pipelined round trip). A request admitted locally in
+fail-static mode whose lease lapses is settled by the local limiter and its usage replayed into Redis
+like a finish.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import contextlib
 import logging
 import time
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -44,7 +51,7 @@ from tenancy.admission import (
     Renewal,
     validate_admission_args,
     validate_finish,
-    validate_request_id,
+    validate_renew,
 )
 from tenancy.admission_local import LocalAdmission
 from tenancy.models import Tenant
@@ -123,10 +130,12 @@ class RedisAdmission:
         self._deadline_s = s.redis_timeout_s * 4
         self._lease_ttl_s = s.lease_ttl_s
         self._lease_ttl_us = int(s.lease_ttl_s * 1e6)
-        self._record_ttl_ms = int((s.lease_ttl_s + s.record_grace_s) * 1000)
         self._done_ttl_ms = int(s.finished_ttl_s * 1000)
         self._conc_hint_us = int(s.concurrency_retry_hint_s * 1e6)
         self._retention_days = s.usage_retention_days
+        self._settle_batch = s.lease_settle_batch
+        self._sweep_tenants = s.lease_sweep_tenants
+        self._sweep_cursor = ""
         self._fallback = LocalAdmission(
             lease_ttl_s=s.lease_ttl_s,
             record_grace_s=s.record_grace_s,
@@ -135,6 +144,7 @@ class RedisAdmission:
             usage_retention_days=s.usage_retention_days,
             mode=QuotaMode.FAIL_STATIC,
             limits_for=self._local_share,
+            on_expired=self._local_lease_expired,
         )
         self._healthy = True
         self._next_probe = 0.0
@@ -287,6 +297,57 @@ class RedisAdmission:
             if key in waiting or self._fallback.prompt_of(key[0], key[1]) is not None
         }
 
+    # -- settling lapsed leases ----------------------------------------------------------------
+    async def sweep(self, tenants: Iterable[Tenant] = ()) -> int:
+        """Settle lapsed leases: the local limiter's (fail-static admissions), then, if Redis answers,
+        those of the next ``lease_sweep_tenants`` of ``tenants`` in id order (round robin over calls),
+        at most ``lease_settle_batch`` each, in one pipelined round trip. Returns how many were settled.
+        """
+        settled = self._fallback.sweep_sync()
+        if not self._healthy:
+            return settled  # the probe notices recovery; sweeping resumes then
+        by_id = {t.id: t for t in tenants}
+        if not by_id:
+            return settled
+        ids = sorted(by_id)
+        start = next((i for i, tid in enumerate(ids) if tid > self._sweep_cursor), 0)
+        batch = (ids[start:] + ids[:start])[: self._sweep_tenants]
+        self._sweep_cursor = batch[-1]
+        pipe = self._client.pipeline(transaction=False)
+        for tid in batch:
+            lay = self._layout
+            args = [
+                "sweep",
+                "",
+                _opt(by_id[tid].quotas.tokens_per_minute),
+                _STATE_TTL_MS,
+                self._done_ttl_ms,
+                self._retention_days,
+                self._settle_batch,
+            ]
+            keys = [lay.quota_state(tid), lay.leases(tid), lay.request_prefix(tid), lay.usage(tid)]
+            await self._script(keys=keys, args=args, client=pipe)
+        try:
+            async with asyncio.timeout(self._deadline_s * 2):
+                replies = await pipe.execute()
+        except Exception as exc:
+            if not _is_unavailable(exc):
+                raise
+            self._mark_down("sweep", exc)
+            return settled
+        swept = sum(int(reply[0]) for reply in replies)
+        if swept:
+            log.info("settled %d lapsed leases (holders gone without finishing)", swept)
+        return settled + swept
+
+    def _local_lease_expired(self, tenant_id: str, request_id: str, prompt: int, completion: int) -> None:
+        """The fallback settled a lapsed lease: if it was admitted locally during an outage, its usage
+        goes to Redis like the finish it never got (buffered; replayed when Redis answers)."""
+        if (tenant_id, request_id) in self._local_ids:
+            self._buffer(
+                _PendingFinish(tenant_id, request_id, completion, prompt, Outcome.EXPIRED, None, orphan=True)
+            )
+
     # -- admit ------------------------------------------------------------------------------------
     async def admit(self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int) -> Admission:
         validate_admission_args(request_id, prompt_tokens, max_tokens)
@@ -304,9 +365,11 @@ class RedisAdmission:
             prompt_tokens,
             max_tokens,
             self._lease_ttl_us,
-            self._record_ttl_ms,
             self._conc_hint_us,
             _STATE_TTL_MS,
+            self._done_ttl_ms,
+            self._retention_days,
+            self._settle_batch,
         ]
         try:
             reply = await self._eval(self._keys(tenant.id, request_id), args)
@@ -379,10 +442,10 @@ class RedisAdmission:
         return limits.share(self._replicas, day_used=day_used, month_used=month_used)
 
     # -- renew ------------------------------------------------------------------------------------
-    async def renew(self, tenant: Tenant, request_id: str) -> Renewal:
-        validate_request_id(request_id)
+    async def renew(self, tenant: Tenant, request_id: str, completion_tokens: int | None = None) -> Renewal:
+        validate_renew(request_id, completion_tokens)
         if (tenant.id, request_id) in self._local_ids:
-            return self._fallback.renew_sync(tenant, request_id)
+            return self._fallback.renew_sync(tenant, request_id, completion_tokens)
         if not self._should_try_redis():
             return Renewal(False, reason="unavailable")
         args = [
@@ -390,7 +453,12 @@ class RedisAdmission:
             request_id,
             _opt(tenant.quotas.max_concurrent),
             self._lease_ttl_us,
-            self._record_ttl_ms,
+            -1 if completion_tokens is None else completion_tokens,
+            _opt(tenant.quotas.tokens_per_minute),
+            _STATE_TTL_MS,
+            self._done_ttl_ms,
+            self._retention_days,
+            self._settle_batch,
         ]
         try:
             reply = await self._eval(self._keys(tenant.id, request_id), args)
@@ -477,6 +545,7 @@ class RedisAdmission:
             self._retention_days,
             "1" if p.orphan else "0",
             _STATE_TTL_MS,
+            self._settle_batch,
         ]
         return await self._eval(self._keys(p.tenant_id, p.request_id), args)
 

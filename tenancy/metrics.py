@@ -50,3 +50,11 @@ DROPPED_FINISHES = Counter(
 def admission_counter(result: str, limit: str, backend: str) -> Any:
     """The labelled admissions counter, resolved once per label set (``labels()`` costs microseconds)."""
     return ADMISSIONS.labels(result=result, limit=limit, backend=backend)
+
+
+STATE_FILE_ERRORS = Counter(
+    "loom:tenancy_state_file_errors",
+    "Embedded store: quota state file failures, by op (load: unreadable at start, started from zero; "
+    "save: could not be written).",
+    ["op"],
+)

@@ -295,6 +295,8 @@ class DailyUsage(_Frozen):
     completion_tokens: int = 0
     cancelled: int = 0
     errors: int = 0
+    expired: int = 0
+    """Requests whose lease lapsed without a finish (gateway gone), settled from their last renewal."""
 
     @property
     def total_tokens(self) -> int:

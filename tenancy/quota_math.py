@@ -63,6 +63,25 @@ def month_index(day: int) -> int:
     return d.year * 12 + d.month - 1
 
 
+def day_from_label(label: str) -> int:
+    """Inverse of :func:`day_label` (raises ``ValueError`` on a malformed date)."""
+    return date.fromisoformat(label).toordinal() - _EPOCH_ORDINAL
+
+
+def month_label(month: int) -> str:
+    """``YYYY-MM`` of a :func:`month_index`."""
+    return f"{month // 12:04d}-{month % 12 + 1:02d}"
+
+
+def month_from_label(label: str) -> int:
+    """Inverse of :func:`month_label` (raises ``ValueError`` on a malformed month)."""
+    year, sep, month = label.partition("-")
+    well_formed = sep and len(year) == 4 and len(month) == 2 and (year + month).isdigit()
+    if not well_formed or not 1 <= int(month) <= 12:
+        raise ValueError(f"not a YYYY-MM month: {label!r}")
+    return int(year) * 12 + int(month) - 1
+
+
 def next_day_start_us(now_us: int) -> int:
     return (day_index(now_us) + 1) * DAY_US
 

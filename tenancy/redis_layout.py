@@ -64,8 +64,14 @@ class RedisLayout:
         return f"{self.prefix}:t:{{{tenant_id}}}:leases"
 
     def request(self, tenant_id: str, request_id: str) -> str:
-        """Hash: one admitted request's reservation; after finish, a marker that makes finish idempotent."""
-        return f"{self.prefix}:t:{{{tenant_id}}}:req:{request_id}"
+        """Hash: one admitted request's reservation and the completion tokens its last renewal
+        reported; after finish or settlement, a marker (with the outcome) that makes both idempotent."""
+        return self.request_prefix(tenant_id) + request_id
+
+    def request_prefix(self, tenant_id: str) -> str:
+        """What every request key of the tenant starts with: the admission script settles a lapsed
+        lease of request R through ``request_prefix + R`` (same hash tag, same slot)."""
+        return f"{self.prefix}:t:{{{tenant_id}}}:req:"
 
     def usage(self, tenant_id: str) -> str:
         """Hash ``YYYY-MM-DD|field`` -> count: metered usage per UTC day."""

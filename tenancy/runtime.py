@@ -9,8 +9,12 @@
     await tenancy.stop()
 
 Store ``redis``: directory fed by ``RedisTenantWatcher``, admission by ``RedisAdmission``.
-Store ``file``: directory fed by ``FileTenantWatcher``, admission by ``LocalAdmission`` whose usage is
-persisted next to the tenants file.
+Store ``file``: directory fed by ``FileTenantWatcher``, admission by ``LocalAdmission`` whose quota
+state (usage, daily/monthly budgets, running reservations) is persisted next to the tenants file,
+every ``state_flush_interval_s`` and at stop, and reloaded at start.
+
+Both: a background task settles lapsed leases (gateways that died mid-stream) every
+``lease_sweep_interval_s``, so that tenants with no traffic get theirs settled too.
 """
 
 from __future__ import annotations
@@ -18,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 from pathlib import Path
 
+from tenancy import metrics
 from tenancy.admission import QuotaEnforcer, QuotaMode
 from tenancy.admission_local import LocalAdmission
 from tenancy.admission_redis import RedisAdmission
@@ -29,10 +35,13 @@ from tenancy.models import Principal, Tenant
 from tenancy.policy import check_request
 from tenancy.settings import TenancySettings
 from tenancy.store_file import (
+    StateFileError,
+    empty_state,
     ensure_default_tenants_file,
-    load_usage_file,
-    save_usage_file,
-    usage_path_for,
+    quarantine_state_file,
+    read_state_file,
+    save_state_file,
+    state_path_for,
 )
 from tenancy.watch_file import FileTenantWatcher
 from tenancy.watch_redis import RedisTenantWatcher
@@ -40,7 +49,6 @@ from tenancy.watch_redis import RedisTenantWatcher
 log = logging.getLogger(__name__)
 
 PREFIX_CACHE_SALT_LABEL = "loom-prefix-cache-salt"
-_USAGE_FLUSH_INTERVAL_S = 10.0
 
 
 def bootstrap_embedded(settings: TenancySettings) -> str | None:
@@ -69,9 +77,11 @@ class Tenancy:
         self.directory = directory
         self.admission = admission
         self.watcher = watcher
-        self._usage_path = usage_path
-        self._usage_saved = -1
+        self._state_path = usage_path
+        self._state_saved = -1
+        self._flush_lock = threading.Lock()
         self._flush_task: asyncio.Task[None] | None = None
+        self._sweep_task: asyncio.Task[None] | None = None
 
     @classmethod
     def from_settings(cls, settings: TenancySettings | None = None) -> Tenancy:
@@ -97,43 +107,107 @@ class Tenancy:
             settings.tenants_file, directory, poll_interval_s=settings.file_poll_interval_s
         )
         return cls(
-            settings, hasher, directory, local, watcher, usage_path=usage_path_for(settings.tenants_file)
+            settings, hasher, directory, local, watcher, usage_path=state_path_for(settings.tenants_file)
         )
 
+    @property
+    def state_path(self) -> Path | None:
+        """The embedded store's quota state file (``None`` for Redis: the state lives there)."""
+        return self._state_path if isinstance(self.admission, LocalAdmission) else None
+
     async def start(self) -> None:
-        if isinstance(self.admission, LocalAdmission) and self._usage_path is not None:
-            self.admission.load_usage(load_usage_file(self._usage_path))
-            self._usage_saved = self.admission.usage_revision
-            self._flush_task = asyncio.get_running_loop().create_task(self._flush_loop(), name="usage-flush")
+        if self.state_path is not None:
+            self.load_state()
+            self._flush_task = asyncio.get_running_loop().create_task(self._flush_loop(), name="state-flush")
         await self.watcher.start()
         await self.admission.start()
+        self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop(), name="lease-sweep")
 
     async def stop(self) -> None:
-        if self._flush_task is not None:
-            self._flush_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._flush_task
-            self._flush_task = None
-        self.flush_usage()
+        for task in (self._sweep_task, self._flush_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._sweep_task = self._flush_task = None
+        try:
+            self.flush_state()
+        except OSError:
+            metrics.STATE_FILE_ERRORS.labels(op="save").inc()
+            log.exception("could not persist the quota state to %s at stop", self._state_path)
         await self.watcher.stop()
         await self.admission.close()
 
-    def flush_usage(self) -> None:
-        """Persist the embedded limiter's usage if it changed (no-op for Redis: usage lives there)."""
-        if not isinstance(self.admission, LocalAdmission) or self._usage_path is None:
+    def load_state(self) -> None:
+        """Embedded store: restore budgets and usage from the state file into the local limiter.
+
+        Requests that were running when the previous process stopped are settled at once (charged
+        their prompt + the completion tokens of their last renewal). An unreadable file does not
+        stop the start: it is moved aside, an ERROR says that budgets and usage restart from zero.
+        """
+        path = self.state_path
+        if path is None:
             return
-        revision = self.admission.usage_revision
-        if revision != self._usage_saved:
-            save_usage_file(self._usage_path, self.admission.usage_snapshot())
-            self._usage_saved = revision
+        assert isinstance(self.admission, LocalAdmission)
+        try:
+            state = read_state_file(path)
+        except StateFileError as exc:
+            metrics.STATE_FILE_ERRORS.labels(op="load").inc()
+            moved = quarantine_state_file(path)
+            log.error(
+                "QUOTA STATE NOT RESTORED: %s. Daily and monthly budgets and usage of every tenant start "
+                "from ZERO. The unreadable file was %s.",
+                exc,
+                f"moved to {moved}" if moved else "left in place (could not be moved; a write replaces it)",
+            )
+            state = empty_state()
+        settled = self.admission.load_state(state)
+        if settled:
+            log.warning(
+                "settled %d requests that were running when the previous process stopped "
+                "(charged prompt + the completion tokens of their last renewal)",
+                settled,
+            )
+        else:
+            self._state_saved = self.admission.state_revision
+
+    def flush_state(self) -> bool:
+        """Embedded store: write the quota state file if anything changed since the last write
+        (no-op for Redis). Returns whether it wrote."""
+        if self.state_path is None:
+            return False
+        assert isinstance(self.admission, LocalAdmission)
+        with self._flush_lock:  # the periodic write runs in a thread: one writer at a time
+            revision = self.admission.state_revision
+            if revision == self._state_saved:
+                return False
+            save_state_file(self.state_path, self.admission.state_snapshot())
+            self._state_saved = revision
+            return True
+
+    flush_usage = flush_state  # the earlier name
 
     async def _flush_loop(self) -> None:
         while True:
-            await asyncio.sleep(_USAGE_FLUSH_INTERVAL_S)
+            await asyncio.sleep(self.settings.state_flush_interval_s)
             try:
-                self.flush_usage()
+                await asyncio.to_thread(self.flush_state)
             except OSError:
-                log.exception("could not persist usage to %s", self._usage_path)
+                metrics.STATE_FILE_ERRORS.labels(op="save").inc()
+                log.exception("could not persist the quota state to %s", self._state_path)
+
+    async def sweep(self) -> int:
+        """Settle lapsed leases now (the background task does this every ``lease_sweep_interval_s``)."""
+        tenants = [entry.tenant for entry in self.directory.catalog.tenants.values()]
+        return await self.admission.sweep(tenants)
+
+    async def _sweep_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.lease_sweep_interval_s)
+            try:
+                await self.sweep()
+            except Exception:
+                log.exception("settling lapsed leases failed")
 
     # -- the gateway's per-request calls ------------------------------------------------------------
     def authenticate(self, token: str) -> Principal:

@@ -58,7 +58,26 @@ class TenancySettings(BaseSettings):
         default=30.0, gt=0, description="Concurrency lease lifetime; renewed while a stream runs."
     )
     record_grace_s: float = Field(
-        default=300.0, ge=0, description="How long a running request's record outlives its lease."
+        default=300.0,
+        ge=0,
+        description="In-process limiter: a running request unrenewed for lease_ttl_s + this is settled "
+        "by the record scan even if no lease check noticed it (a backstop). Redis keeps running "
+        "records until their lapsed lease is settled.",
+    )
+    lease_sweep_interval_s: float = Field(
+        default=2.0, gt=0, description="How often the runtime settles lapsed leases of idle tenants."
+    )
+    lease_sweep_tenants: int = Field(
+        default=100, ge=1, description="Redis: tenants visited per sweep (round robin, one round trip)."
+    )
+    lease_settle_batch: int = Field(
+        default=32, ge=1, description="Redis: lapsed leases one script call settles at most."
+    )
+    state_flush_interval_s: float = Field(
+        default=5.0,
+        gt=0,
+        description="Embedded store: how often budgets and usage are written to the state file "
+        "(if they changed; also at stop).",
     )
     finished_ttl_s: float = Field(
         default=3600.0, gt=0, description="Idempotency window: a repeated finish within it is a no-op."

@@ -4,7 +4,11 @@ The file holds tenants and, under each, its API keys as keyed hashes only. It ma
 a running server notices the change (``watch_file.FileTenantWatcher``) and reloads it, keeping the
 previous config if the new file does not validate. Admin commands write it atomically (temp file +
 rename) under an advisory lock, and append each change to ``<name>.audit.jsonl`` next to it.
-Usage metered by the serving process is persisted to ``usage.json`` in the same folder.
+
+The serving process keeps its quota state in ``usage.json`` in the same folder (see
+:func:`save_state_file`): metered usage per day, the daily/monthly budget counters, and the
+reservations of the requests running at the time of the write, so that a restart neither resets a
+tenant's budgets nor leaves a reservation of a request that died with the process charged in full.
 """
 
 from __future__ import annotations
@@ -62,7 +66,11 @@ def audit_path_for(path: Path) -> Path:
 
 
 def usage_path_for(path: Path) -> Path:
+    """The quota state file (usage, budgets, running reservations) next to the tenants file."""
     return path.with_name("usage.json")
+
+
+state_path_for = usage_path_for
 
 
 def load_catalog(path: Path) -> TenantCatalog:
@@ -134,6 +142,12 @@ def _write_atomic(path: Path, text: str, mode: int = 0o600) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+    with contextlib.suppress(OSError):  # make the rename itself durable (best effort)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
 
 
 class FileTenantStore(SharedAdminCommands):
@@ -308,8 +322,7 @@ class FileTenantStore(SharedAdminCommands):
     def usage(self, tenant_id: str, days: int = 30) -> list[DailyUsage]:
         """Usage persisted by the serving process (``usage.json``), last ``days`` UTC days."""
         validate_tenant_id(tenant_id)
-        snapshot = load_usage_file(usage_path_for(self.path))
-        per_day = snapshot.get(tenant_id, {})
+        per_day = load_usage_file(usage_path_for(self.path)).get(tenant_id, {})
         today = datetime.now(UTC).date()
         return [
             DailyUsage(tenant_id=tenant_id, day=d, **per_day.get(d.isoformat(), {}))
@@ -339,19 +352,134 @@ class FileTenantStore(SharedAdminCommands):
         return out
 
 
-def load_usage_file(path: Path) -> dict[str, dict[str, dict[str, int]]]:
-    if not path.exists():
-        return {}
+STATE_FORMAT = 2
+_USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cancelled", "errors", "expired")
+_RUNNING_FIELDS = ("reserved", "prompt", "completion")
+
+
+class StateFileError(ValueError):
+    """The quota state file exists but cannot be read or does not validate."""
+
+
+def empty_state() -> dict[str, Any]:
+    return {"usage": {}, "budgets": {}, "running": {}}
+
+
+def read_state_file(path: Path) -> dict[str, Any]:
+    """Read and validate the quota state file (see :func:`save_state_file`); a missing file is an
+    empty state. Format 1 (the usage map alone, before budgets were persisted) is read as usage.
+    Raises :class:`StateFileError` if the file is unreadable or anything in it is malformed."""
+    path = Path(path)
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        log.error("cannot read usage file %s: %s", path, exc)
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return empty_state()
+    except OSError as exc:
+        raise StateFileError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise StateFileError(f"{path}: not valid JSON: {exc}") from None
+    try:
+        return _parse_state(data)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise StateFileError(f"{path}: {exc}") from None
+
+
+def _count(value: Any, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{where}: expected an integer >= 0, got {value!r}")
+    return value
+
+
+def _mapping(value: Any, where: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ValueError(f"{where}: expected a mapping")
+    return value
+
+
+def _period(entry: dict[str, Any], where: str) -> tuple[str, str]:
+    day, month = entry["day"], entry["month"]
+    try:
+        qm.day_from_label(day)
+        qm.month_from_label(month)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    return day, month
+
+
+def _parse_state(data: Any) -> dict[str, Any]:
+    data = _mapping(data, "top level")
+    if "format" not in data:
+        usage_raw, budgets_raw, running_raw = data, {}, {}
+    elif data["format"] == STATE_FORMAT:
+        usage_raw = data.get("usage") or {}
+        budgets_raw = data.get("budgets") or {}
+        running_raw = data.get("running") or {}
+    else:
+        raise ValueError(f"unknown format {data['format']!r} (this version reads {STATE_FORMAT})")
+    out = empty_state()
+    for tid, days in _mapping(usage_raw, "usage").items():
+        rows = out["usage"][tid] = {}
+        for label, fields in _mapping(days, f"usage.{tid}").items():
+            qm.day_from_label(label)
+            where = f"usage.{tid}.{label}"
+            rows[label] = {
+                f: _count(v, f"{where}.{f}") for f, v in _mapping(fields, where).items() if f in _USAGE_FIELDS
+            }
+    for tid, entry in _mapping(budgets_raw, "budgets").items():
+        where = f"budgets.{tid}"
+        entry = _mapping(entry, where)
+        day, month = _period(entry, where)
+        out["budgets"][tid] = {
+            "day": day,
+            "day_used": _count(entry["day_used"], f"{where}.day_used"),
+            "month": month,
+            "month_used": _count(entry["month_used"], f"{where}.month_used"),
+        }
+    for tid, requests in _mapping(running_raw, "running").items():
+        rows = out["running"][tid] = {}
+        for rid, entry in _mapping(requests, f"running.{tid}").items():
+            where = f"running.{tid}.{rid}"
+            entry = _mapping(entry, where)
+            day, month = _period(entry, where)
+            rows[rid] = {f: _count(entry[f], f"{where}.{f}") for f in _RUNNING_FIELDS}
+            rows[rid].update(day=day, month=month)
+    return out
+
+
+def save_state_file(path: Path, snapshot: dict[str, Any]) -> None:
+    """Write the quota state atomically (temp file, fsync, rename)::
+
+    {"format": 2, "saved_at": "<UTC ISO time>",
+     "usage":   {tenant: {"YYYY-MM-DD": {"requests": n, "prompt_tokens": n, ...}}},
+     "budgets": {tenant: {"day": "YYYY-MM-DD", "day_used": n, "month": "YYYY-MM", "month_used": n}},
+     "running": {tenant: {request id: {"reserved": n, "prompt": n, "completion": n,
+                                       "day": "YYYY-MM-DD", "month": "YYYY-MM"}}}}
+    """
+    doc = {"format": STATE_FORMAT, "saved_at": utcnow().isoformat(), **snapshot}
+    _write_atomic(Path(path), json.dumps(doc, sort_keys=True, indent=1))
+
+
+def quarantine_state_file(path: Path) -> Path | None:
+    """Move an unreadable state file aside (``<name>.corrupt-<UTC time>``) so that the next write
+    does not destroy what an operator may want to recover; returns where it went."""
+    path = Path(path)
+    target = path.with_name(f"{path.name}.corrupt-{datetime.now(UTC).strftime('%Y%m%dT%H%M%S%fZ')}")
+    try:
+        os.replace(path, target)
+    except OSError:
+        return None
+    return target
+
+
+def load_usage_file(path: Path) -> dict[str, dict[str, dict[str, int]]]:
+    """The usage section of the state file (``{}`` if missing; logged and ``{}`` if unreadable)."""
+    try:
+        return read_state_file(path)["usage"]
+    except StateFileError as exc:
+        log.error("cannot read the usage in %s", exc)
         return {}
-    return data if isinstance(data, dict) else {}
-
-
-def save_usage_file(path: Path, snapshot: dict[str, dict[str, dict[str, int]]]) -> None:
-    _write_atomic(path, json.dumps(snapshot, sort_keys=True, indent=1))
 
 
 def demo_tenant() -> Tenant:

@@ -46,7 +46,7 @@ from tenancy.store import SharedAdminCommands, apply_changes, diff, key_summary,
 
 CONFIG_LUA = resources.files("tenancy").joinpath("lua/config.lua").read_text(encoding="utf-8")
 _UPDATE_ATTEMPTS = 8
-USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cancelled", "errors")
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cancelled", "errors", "expired")
 
 
 def _text(value: Any) -> str:

@@ -6,9 +6,16 @@
 --
 -- KEYS[1] state   hash: rpm_level rpm_ts tpm_level tpm_ts day day_used month month_used
 -- KEYS[2] leases  zset: request id -> lease expiry (microseconds)
--- KEYS[3] request hash: state(running|done) reserved prompt day month
--- KEYS[4] usage   hash: "YYYY-MM-DD|requests|prompt_tokens|completion_tokens|cancelled|errors" -> n
--- ARGV[1] operation: admit | renew | finish | civil
+-- KEYS[3] request hash: state(running|done) reserved prompt day month completion [outcome]
+--         (sweep: the request-key prefix `<p>:t:{T}:req:` itself)
+-- KEYS[4] usage   hash: "YYYY-MM-DD|requests|prompt_tokens|completion_tokens|cancelled|errors|expired" -> n
+-- ARGV[1] operation: admit | renew | finish | sweep | civil;  ARGV[2] request id ('' for sweep)
+--
+-- Lapsed leases are settled here, exactly once: the first call that finds a lease whose expiry has
+-- passed (an admit, renew or finish of the tenant, or a sweep) closes its request as a finish with
+-- the completion tokens of its last renewal and outcome 'expired' (close() below, the same code
+-- finish runs). The record of request R is KEYS[3]'s prefix .. R: a key of the same tenant, so of
+-- the same hash tag and slot, derived rather than declared.
 --
 -- Numbers sent back to redis.call are formatted explicitly: Lua's default number-to-string keeps
 -- only 14 significant digits, which would round microsecond timestamps.
@@ -97,16 +104,111 @@ local function extend_ttl(key, ms)
 end
 
 local op = ARGV[1]
+local RID = ARGV[2] or ''
+local REQ_PREFIX = string.sub(KEYS[3], 1, #KEYS[3] - #RID)
+local REC_FIELDS = {'state', 'reserved', 'prompt', 'day', 'month', 'completion', 'outcome'}
+
+local function live_leases(now)
+  return redis.call('ZCOUNT', KEYS[2], '(' .. int(now), '+inf')
+end
+
+local function meter(today, prompt, completion, outcome, retention_days)
+  local label = day_label(today)
+  redis.call('HINCRBY', KEYS[4], label .. '|requests', 1)
+  redis.call('HINCRBY', KEYS[4], label .. '|prompt_tokens', int(prompt))
+  redis.call('HINCRBY', KEYS[4], label .. '|completion_tokens', int(completion))
+  if outcome == 'cancelled' then
+    redis.call('HINCRBY', KEYS[4], label .. '|cancelled', 1)
+  elseif outcome == 'error' then
+    redis.call('HINCRBY', KEYS[4], label .. '|errors', 1)
+  elseif outcome == 'expired' then
+    redis.call('HINCRBY', KEYS[4], label .. '|expired', 1)
+  end
+  if redis.call('HGET', KEYS[4], 'last_day') ~= label then
+    -- First request of a new day: drop days past retention (bounded work, once per day).
+    local cutoff = day_label(today - retention_days)
+    for _, field in ipairs(redis.call('HKEYS', KEYS[4])) do
+      if field ~= 'last_day' and string.sub(field, 1, 10) < cutoff then redis.call('HDEL', KEYS[4], field) end
+    end
+    redis.call('HSET', KEYS[4], 'last_day', label)
+  end
+end
+
+-- End one request: correct its reservation to prompt + completion in the periods it was charged to
+-- (and tokens/min), meter usage, drop its lease, mark it done. finish and settlement both end here.
+-- r: the record's REC_FIELDS. Returns the refund (negative: charged beyond the reservation).
+local function close(req, rid, r, prompt, completion, outcome, tpm, orphan, now, p)
+  local today = math.floor(now / DAY)
+  local actual = prompt + completion
+  local refund = 0
+  local s = redis.call('HMGET', KEYS[1], 'tpm_level', 'tpm_ts', 'day', 'day_used', 'month', 'month_used')
+  if r[1] == 'running' then
+    local delta = actual - tonumber(r[2])
+    refund = -delta
+    if tpm >= 0 and s[1] then
+      local level, ts = refill(tonumber(s[1]), tonumber(s[2]), tpm, now)
+      level = math.min(tpm, level - delta)
+      redis.call('HSET', KEYS[1], 'tpm_level', num(level), 'tpm_ts', int(ts))
+    end
+    if s[3] == r[4] and s[4] then
+      redis.call('HSET', KEYS[1], 'day_used', int(math.max(0, tonumber(s[4]) + delta)))
+    end
+    if s[5] == r[5] and s[6] then
+      redis.call('HSET', KEYS[1], 'month_used', int(math.max(0, tonumber(s[6]) + delta)))
+    end
+    redis.call('PEXPIRE', KEYS[1], int(p.state_ttl_ms))
+  elseif orphan then
+    -- Admitted by a gateway's local limiter while Redis was unreachable: charge the budgets now.
+    local this_month = month_of(today)
+    local day_used, month_used = actual, actual
+    if tonumber(s[3]) == today then day_used = (tonumber(s[4]) or 0) + actual end
+    if tonumber(s[5]) == this_month then month_used = (tonumber(s[6]) or 0) + actual end
+    redis.call('HSET', KEYS[1], 'day', int(today), 'day_used', int(day_used),
+               'month', int(this_month), 'month_used', int(month_used))
+    redis.call('PEXPIRE', KEYS[1], int(p.state_ttl_ms))
+  end
+  -- (No record and not an orphan: the record outlived its TTL; usage is still metered below.)
+  meter(today, prompt, completion, outcome, p.retention_days)
+  redis.call('ZREM', KEYS[2], rid)
+  redis.call('HSET', req, 'state', 'done', 'completion', int(completion), 'outcome', outcome)
+  redis.call('PEXPIRE', req, int(p.done_ttl_ms))
+  return refund
+end
+
+-- Settle up to max_n lapsed leases (expiry <= now) other than `except`. Returns {settled, more}:
+-- more = 1 when lapsed leases remain for a later call.
+local function settle_lapsed(now, max_n, except, tpm, p)
+  local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', int(now), 'LIMIT', 0, max_n + 2)
+  local n, more = 0, 0
+  for _, rid in ipairs(due) do
+    if rid ~= except then
+      if n >= max_n then more = 1; break end
+      local req = REQ_PREFIX .. rid
+      local r = redis.call('HMGET', req, unpack(REC_FIELDS))
+      if r[1] == 'running' then
+        close(req, rid, r, tonumber(r[3] or 0), tonumber(r[6] or 0), 'expired', tpm, false, now, p)
+        n = n + 1
+      else
+        redis.call('ZREM', KEYS[2], rid)  -- no running record behind it: nothing to settle
+      end
+    end
+  end
+  return {n, more}
+end
 
 if op == 'admit' then
-  local rid = ARGV[2]
   local rpm, tpm, conc = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
   local dbud, mbud = tonumber(ARGV[6]), tonumber(ARGV[7])
   local prompt, max_tokens = tonumber(ARGV[8]), tonumber(ARGV[9])
-  local lease_ttl, record_ttl_ms = tonumber(ARGV[10]), tonumber(ARGV[11])
-  local conc_hint, state_ttl_ms = tonumber(ARGV[12]), tonumber(ARGV[13])
+  local lease_ttl, conc_hint = tonumber(ARGV[10]), tonumber(ARGV[11])
+  local p = {state_ttl_ms = tonumber(ARGV[12]), done_ttl_ms = tonumber(ARGV[13]),
+             retention_days = tonumber(ARGV[14])}
+  local settle_max = tonumber(ARGV[15])
   local cost = prompt + max_tokens
   local now = now_us()
+
+  -- Lapsed leases first: their refunds count for this admission.
+  settle_lapsed(now, settle_max, nil, tpm, p)
 
   local s = redis.call('HMGET', KEYS[1], 'rpm_level', 'rpm_ts', 'tpm_level', 'tpm_ts',
                        'day', 'day_used', 'month', 'month_used')
@@ -119,7 +221,7 @@ if op == 'admit' then
   -- Idempotency: the same request id admitted twice gets its first answer back.
   local rec = redis.call('HMGET', KEYS[3], 'state', 'reserved', 'prompt')
   if rec[1] == 'running' then
-    local exp = redis.call('ZSCORE', KEYS[2], rid)
+    local exp = redis.call('ZSCORE', KEYS[2], RID)
     return {1, 'dup', tonumber(exp or 0), tonumber(rec[2] or 0), day_used, month_used, tonumber(rec[3] or 0)}
   elseif rec[1] then
     return {0, 'duplicate_request', -1, day_used, month_used}
@@ -147,9 +249,9 @@ if op == 'admit' then
   if mbud >= 0 then
     consider('monthly_token_budget', budget_wait(mbud, month_used, cost, next_month_start_us(today), now))
   end
-  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', int(now))  -- lapsed leases give their slot back
-  if conc >= 0 and redis.call('ZCARD', KEYS[2]) >= conc then
-    local first = redis.call('ZRANGE', KEYS[2], 0, 0, 'WITHSCORES')
+  -- Lapsed leases never count, settled yet or not (settlement is bounded per call).
+  if conc >= 0 and live_leases(now) >= conc then
+    local first = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. int(now), '+inf', 'WITHSCORES', 'LIMIT', 0, 1)
     local wait = conc_hint
     if first[2] then wait = math.min(conc_hint, math.max(1, tonumber(first[2]) - now)) end
     consider('max_concurrent', wait)
@@ -172,102 +274,76 @@ if op == 'admit' then
     table.insert(fields, 'tpm_ts'); table.insert(fields, int(tpm_ts))
   end
   redis.call('HSET', KEYS[1], unpack(fields))
-  redis.call('PEXPIRE', KEYS[1], int(state_ttl_ms))
+  redis.call('PEXPIRE', KEYS[1], int(p.state_ttl_ms))
   local expiry = now + lease_ttl
-  redis.call('ZADD', KEYS[2], int(expiry), rid)
-  extend_ttl(KEYS[2], math.ceil(lease_ttl / 1000) + 60000)
+  redis.call('ZADD', KEYS[2], int(expiry), RID)
+  -- The lease set and a running record live as long as the budgets they may have to refund: a lapsed
+  -- lease is settled whenever it is noticed, however late.
+  extend_ttl(KEYS[2], p.state_ttl_ms)
   redis.call('HSET', KEYS[3], 'state', 'running', 'reserved', int(cost), 'prompt', int(prompt),
-             'day', int(today), 'month', int(this_month))
-  redis.call('PEXPIRE', KEYS[3], int(record_ttl_ms))
+             'day', int(today), 'month', int(this_month), 'completion', 0)
+  redis.call('PEXPIRE', KEYS[3], int(p.state_ttl_ms))
   return {1, 'ok', expiry, cost, day_used, month_used, prompt}
 
 elseif op == 'renew' then
-  local rid = ARGV[2]
-  local conc, lease_ttl, record_ttl_ms = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local conc, lease_ttl, completion = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])
+  local tpm = tonumber(ARGV[6])
+  local p = {state_ttl_ms = tonumber(ARGV[7]), done_ttl_ms = tonumber(ARGV[8]),
+             retention_days = tonumber(ARGV[9])}
+  local settle_max = tonumber(ARGV[10])
   local now = now_us()
-  local state = redis.call('HGET', KEYS[3], 'state')
-  if not state then return {0, 'unknown', 0} end
-  if state ~= 'running' then return {0, 'finished', 0} end
+  local r = redis.call('HMGET', KEYS[3], unpack(REC_FIELDS))
+  if not r[1] then return {0, 'unknown', 0} end
+  if r[1] ~= 'running' then
+    if r[7] == 'expired' then return {0, 'lost', 0} end
+    return {0, 'finished', 0}
+  end
+  if completion >= 0 then
+    redis.call('HSET', KEYS[3], 'completion', int(completion))
+    r[6] = int(completion)
+  end
+  -- Other lapsed leases are settled; ours is decided below (a holder back in time may keep it).
+  settle_lapsed(now, settle_max, RID, tpm, p)
   local tag = 'ok'
-  local current = redis.call('ZSCORE', KEYS[2], rid)
+  local current = redis.call('ZSCORE', KEYS[2], RID)
   if (not current) or tonumber(current) <= now then
-    -- The lease lapsed (a long pause). Take a slot again only if one is free.
-    redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', int(now))
-    if conc >= 0 and redis.call('ZCARD', KEYS[2]) >= conc then return {0, 'lost', 0} end
+    -- Our lease lapsed (a long pause) and nobody settled it yet. Take a slot again only if one is
+    -- free; else the request is over: settled now with what this renewal reports.
+    redis.call('ZREM', KEYS[2], RID)
+    if conc >= 0 and live_leases(now) >= conc then
+      close(KEYS[3], RID, r, tonumber(r[3] or 0), tonumber(r[6] or 0), 'expired', tpm, false, now, p)
+      return {0, 'lost', 0}
+    end
     tag = 'reacquired'
   end
   local expiry = now + lease_ttl
-  redis.call('ZADD', KEYS[2], int(expiry), rid)
-  extend_ttl(KEYS[2], math.ceil(lease_ttl / 1000) + 60000)
-  redis.call('PEXPIRE', KEYS[3], int(record_ttl_ms))
+  redis.call('ZADD', KEYS[2], int(expiry), RID)
+  extend_ttl(KEYS[2], p.state_ttl_ms)
+  redis.call('PEXPIRE', KEYS[3], int(p.state_ttl_ms))
   return {1, tag, expiry}
 
 elseif op == 'finish' then
-  local rid = ARGV[2]
   local completion, prompt_arg, outcome = tonumber(ARGV[3]), tonumber(ARGV[4]), ARGV[5]
-  local tpm, done_ttl_ms, retention_days = tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8])
-  local orphan, state_ttl_ms = ARGV[9] == '1', tonumber(ARGV[10])
+  local tpm = tonumber(ARGV[6])
+  local p = {done_ttl_ms = tonumber(ARGV[7]), retention_days = tonumber(ARGV[8]),
+             state_ttl_ms = tonumber(ARGV[10])}
+  local orphan, settle_max = ARGV[9] == '1', tonumber(ARGV[11])
   local now = now_us()
-  local today = math.floor(now / DAY)
 
-  local r = redis.call('HMGET', KEYS[3], 'state', 'reserved', 'prompt', 'day', 'month')
+  local r = redis.call('HMGET', KEYS[3], unpack(REC_FIELDS))
   if r[1] == 'done' then return {0, 'duplicate', 0} end
   local prompt = prompt_arg
   if prompt < 0 then prompt = tonumber(r[3] or 0) end
-  local actual = prompt + completion
-  local refund = 0
-
-  local s = redis.call('HMGET', KEYS[1], 'tpm_level', 'tpm_ts', 'day', 'day_used', 'month', 'month_used')
-  if r[1] == 'running' then
-    -- Correct the reservation to what was actually used, in the periods it was charged to.
-    local delta = actual - tonumber(r[2])
-    refund = -delta
-    if tpm >= 0 and s[1] then
-      local level, ts = refill(tonumber(s[1]), tonumber(s[2]), tpm, now)
-      level = math.min(tpm, level - delta)
-      redis.call('HSET', KEYS[1], 'tpm_level', num(level), 'tpm_ts', int(ts))
-    end
-    if s[3] == r[4] and s[4] then
-      redis.call('HSET', KEYS[1], 'day_used', int(math.max(0, tonumber(s[4]) + delta)))
-    end
-    if s[5] == r[5] and s[6] then
-      redis.call('HSET', KEYS[1], 'month_used', int(math.max(0, tonumber(s[6]) + delta)))
-    end
-    redis.call('PEXPIRE', KEYS[1], int(state_ttl_ms))
-  elseif orphan then
-    -- Admitted by a gateway's local limiter while Redis was unreachable: charge the budgets now.
-    local this_month = month_of(today)
-    local day_used, month_used = actual, actual
-    if tonumber(s[3]) == today then day_used = (tonumber(s[4]) or 0) + actual end
-    if tonumber(s[5]) == this_month then month_used = (tonumber(s[6]) or 0) + actual end
-    redis.call('HSET', KEYS[1], 'day', int(today), 'day_used', int(day_used),
-               'month', int(this_month), 'month_used', int(month_used))
-    redis.call('PEXPIRE', KEYS[1], int(state_ttl_ms))
-  end
-  -- (No record and not an orphan: the record outlived its TTL; usage is still metered below.)
-
-  local label = day_label(today)
-  redis.call('HINCRBY', KEYS[4], label .. '|requests', 1)
-  redis.call('HINCRBY', KEYS[4], label .. '|prompt_tokens', int(prompt))
-  redis.call('HINCRBY', KEYS[4], label .. '|completion_tokens', int(completion))
-  if outcome == 'cancelled' then
-    redis.call('HINCRBY', KEYS[4], label .. '|cancelled', 1)
-  elseif outcome == 'error' then
-    redis.call('HINCRBY', KEYS[4], label .. '|errors', 1)
-  end
-  if redis.call('HGET', KEYS[4], 'last_day') ~= label then
-    -- First finish of a new day: drop days past retention (bounded work, once per day).
-    local cutoff = day_label(today - retention_days)
-    for _, field in ipairs(redis.call('HKEYS', KEYS[4])) do
-      if field ~= 'last_day' and string.sub(field, 1, 10) < cutoff then redis.call('HDEL', KEYS[4], field) end
-    end
-    redis.call('HSET', KEYS[4], 'last_day', label)
-  end
-
-  redis.call('ZREM', KEYS[2], rid)
-  redis.call('HSET', KEYS[3], 'state', 'done')
-  redis.call('PEXPIRE', KEYS[3], int(done_ttl_ms))
+  local refund = close(KEYS[3], RID, r, prompt, completion, outcome, tpm, orphan, now, p)
+  settle_lapsed(now, settle_max, RID, tpm, p)
   return {1, 'ok', refund}
+
+elseif op == 'sweep' then
+  -- Settle the tenant's lapsed leases (bounded); run periodically so that idle tenants are settled.
+  local tpm = tonumber(ARGV[3])
+  local p = {state_ttl_ms = tonumber(ARGV[4]), done_ttl_ms = tonumber(ARGV[5]),
+             retention_days = tonumber(ARGV[6])}
+  return settle_lapsed(now_us(), tonumber(ARGV[7]), nil, tpm, p)
 
 elseif op == 'civil' then
   -- Calendar self-check for the tests: day index -> y, m, d, round trip, next month start (days).

@@ -99,6 +99,81 @@ def hold_leases_process(settings_values: dict[str, Any], tenant_json: str, count
         time.sleep(60)
 
 
+def quota_status(enforcer: Any, settings: Any, tenant_id: str) -> dict[str, int]:
+    """Active leases and budget tokens used today / this month, from either implementation."""
+    from tenancy.admission_local import LocalAdmission
+    from tenancy.store_redis import RedisTenantStore
+
+    if isinstance(enforcer, LocalAdmission):
+        return enforcer.quota_status(tenant_id)
+    store = RedisTenantStore.from_settings(settings)
+    try:
+        return store.quota_status(tenant_id)
+    finally:
+        store.close()
+
+
+def usage_today(enforcer: Any, settings: Any, tenant_id: str) -> Any:
+    """Today's metered usage (a ``DailyUsage``) from either implementation."""
+    from tenancy.admission_local import LocalAdmission
+    from tenancy.store_redis import RedisTenantStore
+
+    if isinstance(enforcer, LocalAdmission):
+        return enforcer.usage(tenant_id, 1)[-1]
+    store = RedisTenantStore.from_settings(settings)
+    try:
+        return store.usage(tenant_id, 1)[-1]
+    finally:
+        store.close()
+
+
+def reported_completion(enforcer: Any, settings: Any, tenant_id: str, request_id: str) -> int | None:
+    """The completion tokens stored with a running request's lease by its last renewal."""
+    import redis as redis_sync
+
+    from tenancy.admission_local import LocalAdmission
+    from tenancy.redis_layout import RedisLayout
+
+    if isinstance(enforcer, LocalAdmission):
+        record = enforcer._records.get((tenant_id, request_id))
+        return None if record is None else record.completion
+    client = redis_sync.Redis.from_url(settings.redis_url)
+    try:
+        value = client.hget(RedisLayout(settings.key_prefix).request(tenant_id, request_id), "completion")
+    finally:
+        client.close()
+    return None if value is None else int(value)
+
+
+def hold_and_hang_process(
+    settings_values: dict[str, Any],
+    tenant_json: str,
+    prompt: int,
+    max_tokens: int,
+    delivered: int,
+    ready: Any,
+) -> None:
+    """Child process: admit, stream inside ``hold()`` with ``delivered`` completion tokens counted
+    (the background renewal reports them), report the request id, then hang until killed."""
+    import asyncio
+
+    from tenancy.admission_redis import RedisAdmission
+    from tenancy.models import Tenant
+    from tenancy.settings import TenancySettings
+
+    async def run() -> None:
+        enforcer = RedisAdmission.from_settings(TenancySettings(**settings_values))
+        tenant = Tenant.model_validate_json(tenant_json)
+        admission = await enforcer.admit(tenant, "held-stream", prompt, max_tokens)
+        assert admission.granted, admission
+        async with enforcer.hold(tenant, admission) as lease:
+            lease.completion_tokens = delivered
+            ready.put(admission.request_id)
+            await asyncio.sleep(3600)
+
+    asyncio.run(run())
+
+
 def dump_prefix(client: Any, prefix: str) -> bytes:
     """Every key name and value under ``prefix``, whatever its type, as one blob."""
     out = []

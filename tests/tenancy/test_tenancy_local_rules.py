@@ -64,6 +64,7 @@ def test_budgets_roll_over_at_utc_midnight_and_month_start():
     clock.advance(30)  # 2025-02-01 00:00:00: a new day and a new month
     assert lim.admit_sync(tenant, "b", 500, 500).granted
     assert lim.admit_sync(tenant, "c", 250, 250).granted is False  # daily 1000 used
+    assert lim.finish_sync(tenant, "b", 500).recorded  # b used its whole reservation
     clock.advance(86400)  # Feb 2: day resets, month (1000 used of 1500) does not
     refused = lim.admit_sync(tenant, "d", 300, 300)
     assert refused.limit is Limit.MONTHLY_BUDGET
