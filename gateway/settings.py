@@ -1,4 +1,5 @@
-"""Gateway settings (``LOOM_GATEWAY_*`` environment variables, or constructor arguments)."""
+"""Gateway settings (``LOOM_GATEWAY_*``) and its clients' (``LOOM_API_KEY``, ``LOOM_ADDRESS``), from the
+environment or constructor arguments; nothing else in Loom reads these variables."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ class GatewaySettings(BaseSettings):
     default_max_tokens: int = Field(256, ge=1)
     max_concurrent_streams: int = Field(4096, ge=1)
     log_prompts: bool = Field(False, description="log prompt text (off: only sizes and ids are logged)")
+
+
+class ClientSettings(BaseSettings):
+    """What ``loom generate`` (and other clients) use to reach a gateway."""
+
+    model_config = SettingsConfigDict(env_prefix="LOOM_", extra="ignore")
+
+    api_key: str | None = Field(None, description="a tenant's API key")
+    address: str = Field("127.0.0.1:50051", description="the gateway's host:port")

@@ -52,29 +52,30 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     from gateway.pools import ServeEnginePool
     from gateway.server import GatewayServer
     from gateway.settings import GatewaySettings
-    from loom.app import PoolSpec, engine_app
-    from loom.settings import EngineSettings
+    from loadtest.tiny_model import random_checkpoint, save_hf_dir
     from tenancy import RedisTenantStore, Tenancy, TenancySettings
-    from tenancy.models import Quotas, Tenant
+    from tenancy.models import SHARED_POOL, Quotas, Tenant
     from worker.api import (
         AsyncEngine,
+        EngineConfig,
         GenerationRequest,
         LLMEngine,
         SamplingParams,
+        engine_deployment,
         load_tokenizer,
         process_registry,
     )
-    from worker.random_model import random_checkpoint, save_hf_dir
 
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-gw-"))
     model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
-    engine_settings = EngineSettings(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
+    engine_config = EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
 
     log("starting Ray and the engine replica ...")
     ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     serve.start(proxy_location=ProxyLocation.Disabled)
-    handle = serve.run(engine_app(PoolSpec(engine=engine_settings)), name="bench-engine", route_prefix=None)
-    local = AsyncEngine(LLMEngine(engine_settings.engine_config())).start()
+    app = engine_deployment(engine_config, name=f"engine-{SHARED_POOL}", pool=SHARED_POOL)
+    handle = serve.run(app, name="bench-engine", route_prefix=None)
+    local = AsyncEngine(LLMEngine(engine_config)).start()
 
     prefix = f"loombench-{uuid.uuid4().hex[:8]}"
     tenancy_settings = TenancySettings(
@@ -86,7 +87,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     tenancy = Tenancy.from_settings(tenancy_settings)
     await tenancy.start()
     tok = load_tokenizer(model_dir)
-    catalog = await ModelCatalog.build([(ServeEnginePool(handle, "shared", process_registry()), tok)])
+    catalog = await ModelCatalog.build([(ServeEnginePool(handle, SHARED_POOL, process_registry()), tok)])
     server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
     client = LoomClient(server.address, key)
     prompt = "hello loom"

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 import time
 
+from gateway.settings import ClientSettings
 from worker.api import EngineConfig
 
 
@@ -20,12 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "prompt", help="the prompt: a user message (the model's chat template applies), or --raw text"
     )
-    p.add_argument(
-        "--api-key", default=os.environ.get("LOOM_API_KEY"), help="tenant API key (or LOOM_API_KEY)"
-    )
-    p.add_argument(
-        "--address", default=os.environ.get("LOOM_ADDRESS", "127.0.0.1:50051"), help="gateway host:port"
-    )
+    client = ClientSettings()
+    p.add_argument("--api-key", default=client.api_key, help="tenant API key (or LOOM_API_KEY)")
+    p.add_argument("--address", default=client.address, help="gateway host:port (or LOOM_ADDRESS)")
     p.add_argument("--tls-ca", default=None, help="CA certificate of a TLS gateway")
     p.add_argument("--local", action="store_true", help="run the engine in this process; no server, no key")
     p.add_argument(

@@ -15,6 +15,7 @@ import signal
 import sys
 import time
 
+from tenancy.models import SHARED_POOL
 from worker.api import EngineConfig
 
 log = logging.getLogger("loom.serve")
@@ -22,11 +23,10 @@ log = logging.getLogger("loom.serve")
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the gRPC API: Ray Serve engine replicas behind the gateway")
-    p.add_argument("--host", default=os.environ.get("LOOM_GATEWAY_HOST", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=int(os.environ.get("LOOM_GATEWAY_PORT", "50051")))
-    p.add_argument(
-        "--metrics-port", type=int, default=int(os.environ.get("LOOM_GATEWAY_METRICS_PORT", "9464"))
-    )
+    # Unset flags fall back to GatewaySettings (LOOM_GATEWAY_* variables, then its defaults).
+    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9464)")
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded model)")
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in the shared pool")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale the shared pool up to this many")
@@ -90,14 +90,15 @@ def run(args: argparse.Namespace) -> int:
     tenancy = (
         TenancySettings(store="redis", redis_url=args.redis_url) if args.redis_url else TenancySettings()
     )
-    gateway = GatewaySettings(
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
-        tls_cert_file=args.tls_cert,
-        tls_key_file=args.tls_key,
-        tls_client_ca_file=args.tls_client_ca,
-    )
+    flags = {
+        "host": args.host,
+        "port": args.port,
+        "metrics_port": args.metrics_port,
+        "tls_cert_file": args.tls_cert,
+        "tls_key_file": args.tls_key,
+        "tls_client_ca_file": args.tls_client_ca,
+    }
+    gateway = GatewaySettings(**{k: v for k, v in flags.items() if v is not None})
     demo_key = bootstrap_embedded(tenancy) if tenancy.store == "file" else None
     try:
         return asyncio.run(_serve(args, gateway, tenancy, demo_key))
@@ -129,7 +130,7 @@ async def _serve(
             num_cpus=args.replica_cpus,
             engine=engine,
         )
-        for name in ["shared", *args.dedicated_pool]
+        for name in [SHARED_POOL, *args.dedicated_pool]
     ]
     print("starting Ray and the engine replicas (the first start takes about a minute) ...", file=sys.stderr)
     await asyncio.to_thread(start_ray, args.ray_address)

@@ -11,7 +11,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support.random_model import random_checkpoint, save_hf_dir
+from loadtest.tiny_model import random_checkpoint, save_hf_dir
 
 LOOM = str(Path(sys.executable).with_name("loom"))
 

@@ -3,7 +3,13 @@
 Import from here, not from the modules behind it, so the engine's insides can move freely (an
 import-linter contract in pyproject.toml holds this). The scheduler, block manager and sequence are
 exported for the scheduler simulator (loadtest/), which drives the real scheduling code without a model.
+
+``engine_deployment`` (the Ray Serve deployment of engine replicas) is imported on first use: it pulls
+in Ray Serve and gRPC, which in-process users of the engine (the gateway's neutral request path, the
+CLI, the simulator) should not pay for or depend on.
 """
+
+from typing import Any
 
 from common import Priority
 from worker.async_engine import AsyncEngine, EngineDeadError
@@ -19,7 +25,7 @@ from worker.checkpoint import (
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.limits import LIMITS, RequestLimits, Violation, sampling_violations
-from worker.model_config import UnsupportedModelError
+from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.replica_stats import ReplicaStatsRegistry, process_registry
 from worker.request import (
     FinishReason,
@@ -30,7 +36,6 @@ from worker.request import (
 )
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig, SequenceUpdate
 from worker.sequence import Sequence
-from worker.serve_engine import engine_deployment
 from worker.stats import EngineStats
 from worker.tokenizer import TemplateError, Tokenizer
 
@@ -47,6 +52,7 @@ __all__ = [
     "GenerationRequest",
     "InvalidRequestError",
     "LLMEngine",
+    "ModelConfig",
     "Priority",
     "ReplicaStatsRegistry",
     "RequestLimits",
@@ -63,9 +69,16 @@ __all__ = [
     "UnsupportedModelError",
     "Violation",
     "embedded_model_path",
-    "engine_deployment",
     "load_checkpoint",
     "load_tokenizer",
     "process_registry",
     "sampling_violations",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "engine_deployment":
+        from worker.serve_engine import engine_deployment
+
+        return engine_deployment
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

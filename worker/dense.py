@@ -50,10 +50,6 @@ class Dense:
             except RuntimeError as exc:  # an op missing from this torch build
                 log.info("oneDNN prepacking unavailable (%s); using the plain GEMM", exc)
 
-    @property
-    def prepacked(self) -> bool:
-        return self._packed is not None
-
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self._packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")

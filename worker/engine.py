@@ -121,9 +121,7 @@ class LLMEngine:
             self.counters.consecutive_failed_steps += 1
             error = f"{type(exc).__name__}: {exc}"
             return [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
-        self.counters.record_step(
-            t0, time.monotonic(), batch.total_tokens, len(batch.seqs), batch.num_padding
-        )
+        self.counters.record_step(t0, time.monotonic(), batch)
         # A row with non-finite logits fails its own request; the rest of the batch goes on.
         failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
         updates = self.scheduler.update_from_output(batch, result.sampled)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from common import Priority
 from worker.block_manager import BlockManager
-from worker.scheduler import Scheduler
+from worker.scheduler import ScheduledBatch, Scheduler
 from worker.stats import EngineStats
 
 BUSY_WINDOW_S = 10.0
@@ -19,6 +19,7 @@ BUSY_WINDOW_S = 10.0
 class EngineCounters:
     steps: int = 0
     step_tokens: int = 0
+    padding_tokens: int = 0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_padding: int = 0
@@ -29,10 +30,12 @@ class EngineCounters:
     started: float = field(default_factory=time.monotonic)
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of recent steps
 
-    def record_step(self, t0: float, t1: float, tokens: int, seqs: int, padding: int) -> None:
+    def record_step(self, t0: float, t1: float, batch: ScheduledBatch) -> None:
+        tokens, seqs, padding = batch.total_tokens, len(batch.seqs), batch.num_padding
         self.steps += 1
         self.consecutive_failed_steps = 0
         self.step_tokens += tokens
+        self.padding_tokens += batch.padding_tokens
         self.last_step_tokens = tokens
         self.last_step_seqs = seqs - padding
         self.last_step_padding = padding
@@ -49,12 +52,14 @@ class EngineCounters:
             waiting={p: scheduler.num_waiting(p) for p in Priority},
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
+            max_num_seqs=scheduler.config.max_num_seqs,
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.steps,
             last_step_tokens=self.last_step_tokens,
             last_step_seqs=self.last_step_seqs,
             last_step_padding_seqs=self.last_step_padding,
-            mean_tokens_per_step=self.step_tokens / self.steps if self.steps else 0.0,
+            computed_tokens=self.step_tokens,
+            padding_tokens=self.padding_tokens,
             busy_fraction=busy / max(now - window_start, 1e-9),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,

@@ -62,6 +62,13 @@ class ScheduledBatch:
     def num_padding(self) -> int:
         return sum(1 for s in self.seqs if s.status is SequenceStatus.PADDING)
 
+    @property
+    def padding_tokens(self) -> int:
+        """Tokens computed for static-batching padding: work done for no one."""
+        return sum(
+            n for s, n in zip(self.seqs, self.num_tokens, strict=True) if s.status is SequenceStatus.PADDING
+        )
+
     def __bool__(self) -> bool:
         return bool(self.seqs)
 

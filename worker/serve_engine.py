@@ -37,7 +37,7 @@ UNHEALTHY_AFTER_FAILED_STEPS = 3
 class EngineReplica:
     """One engine replica (a Ray actor managed by Serve)."""
 
-    def __init__(self, engine_config: dict[str, Any], pool: str = "shared") -> None:
+    def __init__(self, engine_config: dict[str, Any], pool: str) -> None:
         config = EngineConfig(**engine_config)
         self.pool = pool
         self.engine = AsyncEngine(LLMEngine(config)).start()
@@ -89,7 +89,7 @@ def engine_deployment(
     engine_config: EngineConfig,
     *,
     name: str = "engine",
-    pool: str = "shared",
+    pool: str,
     num_replicas: int | str = 1,
     min_replicas: int = 1,
     max_replicas: int = 1,

@@ -19,15 +19,17 @@ class EngineStats:
     waiting: dict[Priority, int] = field(default_factory=dict)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    max_num_seqs: int = 0  # batch capacity: slot occupancy is last_step_seqs / max_num_seqs
     num_preemptions: int = 0
     num_steps: int = 0
+    computed_tokens: int = 0  # run through the model, all steps
+    padding_tokens: int = 0  # of which for static-batching padding (ended requests): waste
     last_step_tokens: int = 0
     last_step_seqs: int = 0  # live requests in the last step
     last_step_padding_seqs: int = 0  # static batching: ended members still computed
-    mean_tokens_per_step: float = 0.0
     busy_fraction: float = 0.0  # share of the last 10 s spent inside forward steps
-    prefix_cache_queries: int = 0
-    prefix_cache_hits: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found there
     finished_requests: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.support.random_model import random_checkpoint
+from loadtest.tiny_model import random_checkpoint
 from worker.checkpoint import Checkpoint, load_checkpoint
 
 torch.set_num_threads(2)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.support.random_model import save_hf_dir
+from loadtest.tiny_model import save_hf_dir
 from worker.checkpoint import (
     Checkpoint,
     CheckpointError,

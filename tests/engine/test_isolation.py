@@ -84,7 +84,7 @@ def test_failing_forward_passes_are_counted_until_one_succeeds(
 async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
     tiny: Checkpoint, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from tests.support.random_model import save_hf_dir
+    from loadtest.tiny_model import save_hf_dir
     from worker.serve_engine import UNHEALTHY_AFTER_FAILED_STEPS, EngineReplica
 
     model_dir = save_hf_dir(tiny, tmp_path / "tiny")

@@ -19,11 +19,11 @@ from gateway.client import LoomClient
 from gateway.pools import ServeEnginePool
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
+from loadtest.tiny_model import random_checkpoint, save_hf_dir
 from loom.app import PoolSpec, engine_app
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tests.helpers import eventually
-from tests.support.random_model import random_checkpoint, save_hf_dir
 from worker.api import EngineConfig, load_tokenizer, process_registry
 
 SECRET = "gateway-test-secret-0123456789abcdef"
@@ -57,10 +57,6 @@ def _tiny_engine(tiny_dir: Path, **kw: Any) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-def deploy(pool: PoolSpec) -> Any:
-    from ray import serve
-
-    return serve.run(engine_app(pool), name=pool.deployment_name, route_prefix=None)
 
 
 @pytest.fixture(scope="session")

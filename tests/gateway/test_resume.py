@@ -8,7 +8,7 @@ import pytest
 
 from gateway.pools import PoolModel, WorkerLostError
 from gateway.resume import resumable_stream
-from tests.support.random_model import byte_tokenizer
+from loadtest.tiny_model import byte_tokenizer
 from worker.api import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 
 

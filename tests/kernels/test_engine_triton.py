@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from kernels import force_triton
-from tests.support.random_model import random_checkpoint, tiny_config
+from loadtest.tiny_model import random_checkpoint, tiny_config
 from worker.checkpoint import Checkpoint
 from worker.engine import EngineConfig, LLMEngine, merge_output
 from worker.request import GenerationRequest, RequestOutput, SamplingParams

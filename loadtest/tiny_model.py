@@ -1,7 +1,9 @@
-"""Random-weight checkpoints of any Llama-family shape, for tests and scheduler benchmarks.
+"""Random-weight checkpoints of any Llama-family shape: for benchmarks that must measure what is not
+the model (the gateway's overhead, scheduling) with model time small and constant, and for tests.
 
-The tokenizer is byte-level with no merges (one token per byte, plus an end-of-sequence token), so
-any text round-trips and the vocabulary stays tiny.
+Nothing here is part of the engine: the worker only ever loads checkpoints from disk. The tokenizer is
+byte-level with no merges (one token per byte, plus an end-of-sequence token), so any text
+round-trips and the vocabulary stays tiny.
 """
 
 from __future__ import annotations
@@ -12,9 +14,7 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from worker.checkpoint import Checkpoint
-from worker.model_config import ModelConfig
-from worker.tokenizer import Tokenizer
+from worker.api import Checkpoint, ModelConfig, Tokenizer
 
 BYTE_VOCAB = 256
 EOS_TEXT = "<eos>"

@@ -1,1 +1,0 @@
-"""Support code for the tests: random-weight models and other fixtures that are not the product."""
