@@ -30,3 +30,6 @@ _models_non_empty  # tenancy.models
 
 # pytest fixtures requested by name.
 ray_serve  # tests/gateway/conftest.py
+
+# Stored fields of tenancy records, written by the stores and shown by `loom admin`.
+updated_at  # tenancy.models.Tenant

@@ -13,7 +13,7 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tenancy import TenancyError
+from tenancy import RequestTooLargeError, TenancyError
 from worker.api import Violation
 
 
@@ -53,9 +53,19 @@ def invalid_argument(violations: Sequence[Violation]) -> GatewayError:
 def from_tenancy(exc: TenancyError) -> GatewayError:
     """The one place tenancy's errors become gateway errors.
 
-    Tenancy names the answer it wants in ``grpc_code`` (a plain string, so that it imports no gRPC);
+    Tenancy names the answer it wants in ``status`` (a plain string, so that it imports no gRPC);
     the same words are our kinds. A name we have no kind for (``ABORTED`` from admin writes, which
     never reach the request path) is an internal error rather than a guess.
     """
-    kind = ErrorKind.__members__.get(exc.grpc_code, ErrorKind.INTERNAL)
+    kind = ErrorKind.__members__.get(exc.status, ErrorKind.INTERNAL)
+    if isinstance(exc, RequestTooLargeError):  # a per-request limit: name the field to change
+        return invalid_argument([(_LIMITED_FIELDS.get(exc.field, exc.field), str(exc))])
     return GatewayError(kind, str(exc))
+
+
+# Tenancy's names for what a per-request limit bounds -> the request field a client changes.
+_LIMITED_FIELDS = {
+    "prompt_tokens": "prompt",
+    "max_tokens": "max_tokens",
+    "prompt_tokens + max_tokens": "max_tokens",
+}

@@ -291,7 +291,7 @@ class ActiveLease:
         self,
         exc_type: type[BaseException] | None,
         exc: BaseException | None,
-        tb: TracebackType | None,
+        _tb: TracebackType | None,
     ) -> None:
         if exc_type is None:
             outcome = Outcome.OK

@@ -147,7 +147,6 @@ class LocalAdmission:
         self._states: dict[str, _TenantState] = defaultdict(_TenantState)
         self._records: OrderedDict[tuple[str, str], _Record] = OrderedDict()
         self._usage: dict[tuple[str, str], _UsageCounters] = defaultdict(_UsageCounters)
-        self._usage_revision = 0
         self._state_revision = 0
         if mode is QuotaMode.LOCAL:
             for m in QuotaMode:
@@ -437,21 +436,11 @@ class LocalAdmission:
                 "month_tokens_used": st.month_used if st.month == qm.month_index(today) else 0,
             }
 
-    def usage_snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
-        """All metered usage: ``{tenant: {day: {field: n}}}``."""
-        with self._lock:
-            return self._usage_snapshot()
-
     def _usage_snapshot(self) -> dict[str, dict[str, dict[str, int]]]:
         out: dict[str, dict[str, dict[str, int]]] = {}
         for (tid, label), c in self._usage.items():
             out.setdefault(tid, {})[label] = {f: getattr(c, f) for f in _USAGE_FIELDS}
         return out
-
-    def load_usage(self, snapshot: dict[str, dict[str, dict[str, int]]]) -> None:
-        """Add previously persisted usage (see :meth:`usage_snapshot`) to the counters."""
-        with self._lock:
-            self._load_usage(snapshot)
 
     def _load_usage(self, snapshot: dict[str, dict[str, dict[str, int]]]) -> None:
         for tid, days in snapshot.items():
@@ -529,11 +518,6 @@ class LocalAdmission:
             return settled
 
     @property
-    def usage_revision(self) -> int:
-        """Bumped on every metered finish."""
-        return self._usage_revision
-
-    @property
     def state_revision(self) -> int:
         """Bumped on every change of what :meth:`state_snapshot` returns (admissions, renewals that
         report tokens, finishes, settlements): tells a persister whether there is anything to save."""
@@ -545,11 +529,6 @@ class LocalAdmission:
             record = self._records.get((tenant_id, request_id))
             return record.prompt if record is not None else None
 
-    def active_leases(self, tenant_id: str) -> int:
-        with self._lock:
-            now = self._clock()
-            return sum(1 for exp in self._states[tenant_id].leases.values() if exp > now)
-
     def forget_tenant(self, tenant_id: str) -> None:
         with self._lock:
             self._states.pop(tenant_id, None)
@@ -558,7 +537,6 @@ class LocalAdmission:
     def _meter(self, tenant_id: str, now: int, prompt: int, completion: int, outcome: Outcome) -> None:
         today = qm.day_index(now)
         c = self._usage[(tenant_id, qm.day_label(today))]
-        self._usage_revision += 1
         self._state_revision += 1
         c.requests += 1
         c.prompt_tokens += prompt

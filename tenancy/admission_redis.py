@@ -179,21 +179,12 @@ class RedisAdmission:
         )
 
     @property
-    def healthy(self) -> bool:
-        return self._healthy
-
-    @property
     def lease_ttl_s(self) -> float:
         return self._lease_ttl_s
 
     @property
     def pending_finishes(self) -> int:
         return len(self._pending)
-
-    @property
-    def fallback(self) -> LocalAdmission:
-        """The local limiter used in fail-static mode (exposed for tests and diagnostics)."""
-        return self._fallback
 
     def _set_mode_gauge(self) -> None:
         current = self.mode

@@ -18,7 +18,7 @@ from datetime import datetime
 from types import MappingProxyType
 
 from tenancy import metrics
-from tenancy.errors import AuthenticationError, TenantNotFoundError
+from tenancy.errors import AuthenticationError
 from tenancy.keys import KeyHasher, parse_key_id, strip_bearer
 from tenancy.models import ApiKey, Principal, Tenant, utcnow
 
@@ -100,12 +100,6 @@ class TenantDirectory:
     def get(self, tenant_id: str) -> Tenant | None:
         entry = self._catalog.tenants.get(tenant_id)
         return entry.tenant if entry else None
-
-    def require(self, tenant_id: str) -> Tenant:
-        tenant = self.get(tenant_id)
-        if tenant is None:
-            raise TenantNotFoundError(tenant_id)
-        return tenant
 
     def tenants(self) -> list[Tenant]:
         return [e.tenant for e in self._catalog.tenants.values()]

@@ -1,8 +1,8 @@
 """Exceptions raised by the tenancy package.
 
-Each error carries ``grpc_code``: the name of the gRPC status the gateway should answer with. The names
+Each error carries ``status``: the name of the gRPC status the gateway should answer with. The names
 are plain strings so that this package never imports grpc; the gateway maps them with
-``grpc.StatusCode[err.grpc_code]``.
+``grpc.StatusCode[err.status]``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from __future__ import annotations
 class TenancyError(Exception):
     """Base class of every error this package raises on purpose."""
 
-    grpc_code: str = "INTERNAL"
+    status: str = "INTERNAL"
 
 
 class AuthenticationError(TenancyError):
@@ -22,7 +22,7 @@ class AuthenticationError(TenancyError):
     work"). The reason is kept out of the exception on purpose; it goes to a server-side metric only.
     """
 
-    grpc_code = "UNAUTHENTICATED"
+    status = "UNAUTHENTICATED"
     MESSAGE = "invalid API key"
 
     def __init__(self) -> None:
@@ -32,7 +32,7 @@ class AuthenticationError(TenancyError):
 class PermissionDeniedError(TenancyError):
     """The key is valid but the tenant may not do this (suspended, model not allowed)."""
 
-    grpc_code = "PERMISSION_DENIED"
+    status = "PERMISSION_DENIED"
 
 
 class TenantSuspendedError(PermissionDeniedError):
@@ -51,7 +51,7 @@ class ModelNotAllowedError(PermissionDeniedError):
 class RequestTooLargeError(TenancyError):
     """A request exceeds one of the tenant's per-request limits; retrying the same request never helps."""
 
-    grpc_code = "INVALID_ARGUMENT"
+    status = "INVALID_ARGUMENT"
 
     def __init__(self, field: str, value: int, limit: int, detail: str = "") -> None:
         message = f"{field}={value} exceeds this tenant's limit of {limit}"
@@ -66,17 +66,17 @@ class RequestTooLargeError(TenancyError):
 class TenancyArgumentError(TenancyError):
     """Malformed input to the tenancy API (negative token counts, bad request id...)."""
 
-    grpc_code = "INVALID_ARGUMENT"
+    status = "INVALID_ARGUMENT"
 
 
 class TenantValidationError(TenancyError):
     """A tenant or key definition failed validation; the message lists every problem."""
 
-    grpc_code = "INVALID_ARGUMENT"
+    status = "INVALID_ARGUMENT"
 
 
 class TenantNotFoundError(TenancyError):
-    grpc_code = "NOT_FOUND"
+    status = "NOT_FOUND"
 
     def __init__(self, tenant_id: str) -> None:
         super().__init__(f"no tenant {tenant_id!r}")
@@ -84,7 +84,7 @@ class TenantNotFoundError(TenancyError):
 
 
 class TenantExistsError(TenancyError):
-    grpc_code = "ALREADY_EXISTS"
+    status = "ALREADY_EXISTS"
 
     def __init__(self, tenant_id: str) -> None:
         super().__init__(f"tenant {tenant_id!r} already exists")
@@ -92,7 +92,7 @@ class TenantExistsError(TenancyError):
 
 
 class KeyNotFoundError(TenancyError):
-    grpc_code = "NOT_FOUND"
+    status = "NOT_FOUND"
 
     def __init__(self, key_id: str) -> None:
         super().__init__(f"no API key with id {key_id!r}")
@@ -102,10 +102,10 @@ class KeyNotFoundError(TenancyError):
 class ConcurrentModificationError(TenancyError):
     """Another admin changed the same tenant while this change was being prepared, too many times."""
 
-    grpc_code = "ABORTED"
+    status = "ABORTED"
 
 
 class StoreUnavailableError(TenancyError):
     """The tenant store (Redis) did not answer in time. Admin operations never fall back silently."""
 
-    grpc_code = "UNAVAILABLE"
+    status = "UNAVAILABLE"

@@ -101,14 +101,6 @@ def budget_wait_us(budget: int, used: int, cost: int, period_end_us: int, now_us
     return max(1, period_end_us - now_us)
 
 
-def label_of(now_us: int) -> str:
-    return day_label(day_index(now_us))
-
-
-def utc_day_start(day: date) -> datetime:
-    return datetime(day.year, day.month, day.day, tzinfo=UTC)
-
-
 def days_back(today: date, days: int) -> list[date]:
     """``days`` dates ending with ``today``, oldest first."""
     return [today - timedelta(days=i) for i in range(days - 1, -1, -1)]

@@ -185,8 +185,6 @@ class Tenancy:
             self._state_saved = revision
             return True
 
-    flush_usage = flush_state  # the earlier name
-
     async def _flush_loop(self) -> None:
         while True:
             await asyncio.sleep(self.settings.state_flush_interval_s)

@@ -82,15 +82,6 @@ class RedisTenantWatcher:
         watcher._owned = [client, sub]
         return watcher
 
-    @property
-    def last_sync_ok(self) -> float | None:
-        """``time.monotonic()`` of the last successful resync (``None``: never)."""
-        return self._last_sync_ok
-
-    @property
-    def subscribed(self) -> bool:
-        return self._subscribed.is_set()
-
     async def start(self, *, require_initial: bool = False) -> None:
         """Load the catalog, then follow changes in the background.
 

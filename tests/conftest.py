@@ -117,10 +117,6 @@ class RedisProcess:
                 self.proc.wait(10)
         self.proc = None
 
-    def restart(self) -> None:
-        self.stop()
-        self.start()
-
     def pause(self) -> None:
         """SIGSTOP: the port stays open and connections stay up, but nothing answers."""
         os.kill(self.pid, signal.SIGSTOP)

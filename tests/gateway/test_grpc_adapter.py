@@ -80,7 +80,15 @@ def test_invalid_argument_names_each_field_in_a_bad_request() -> None:
 )
 def test_tenancy_errors_map_by_their_code_name(error: TenancyError, kind: ErrorKind) -> None:
     mapped = from_tenancy(error)
-    assert mapped.kind is kind and mapped.message == str(error)
+    assert mapped.kind is kind and str(error) in mapped.message
+
+
+def test_a_per_request_limit_names_the_field_to_change() -> None:
+    prompt = from_tenancy(RequestTooLargeError("prompt_tokens", 900, 512))
+    cost = from_tenancy(RequestTooLargeError("prompt_tokens + max_tokens", 900, 512, "daily_token_budget"))
+    assert [f for f, _ in prompt.violations] == ["prompt"]
+    assert [f for f, _ in cost.violations] == ["max_tokens"]
+    assert "daily_token_budget" in cost.violations[0][1]
 
 
 def test_a_protobuf_request_becomes_the_neutral_request() -> None:

@@ -81,7 +81,7 @@ def test_policy_checks():
         check_request(t, model="mistral-7b", prompt_tokens=1, max_tokens=1)
     with pytest.raises(RequestTooLargeError) as info:
         check_request(t, model="smollm2-135m", prompt_tokens=101, max_tokens=1)
-    assert info.value.grpc_code == "INVALID_ARGUMENT" and info.value.field == "prompt_tokens"
+    assert info.value.status == "INVALID_ARGUMENT" and info.value.field == "prompt_tokens"
     with pytest.raises(RequestTooLargeError):
         check_request(t, model=None, prompt_tokens=1, max_tokens=51)
     with pytest.raises(TenancyArgumentError):
@@ -89,7 +89,7 @@ def test_policy_checks():
     suspended = t.model_copy(update={"status": TenantStatus.SUSPENDED})
     with pytest.raises(TenantSuspendedError) as denied:
         check_request(suspended, model="llama-3-8b", prompt_tokens=1, max_tokens=1)
-    assert denied.value.grpc_code == "PERMISSION_DENIED"
+    assert denied.value.status == "PERMISSION_DENIED"
 
 
 def test_policy_refuses_requests_no_wait_could_admit():
