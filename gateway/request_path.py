@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncGenerator, Callable, Sequence
@@ -48,11 +49,12 @@ from gateway.metrics import (
 )
 from gateway.pools import WorkerLostError
 from gateway.resume import resumable_stream
-from gateway.schema import Delta, InferenceRequest, ServedModel, Usage
+from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
 from gateway.validation import ValidRequest, validate
 from tenancy import Admission, AuthenticationError, Limit, Principal, Tenancy, TenancyError, Tenant
 from worker.api import (
+    LIMITS,
     EngineDeadError,
     FinishReason,
     GenerationRequest,
@@ -143,7 +145,7 @@ class RequestPath:
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling)
             call.priority = engine_request.priority.value
-            admission = await self._admit(tenant, valid.request_id, engine_request)
+            admission = await self._admit(tenant, valid, engine_request)
             deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)
             async with contextlib.aclosing(deltas):  # closing us settles the lease now, not at GC
                 async for delta in deltas:
@@ -211,10 +213,12 @@ class RequestPath:
             )
         if v.max_tokens is None:
             cap = tenant.quotas.max_tokens_per_request
-            max_tokens = min(self.settings.default_max_tokens, cap if cap is not None else room, room)
+            per_choice = max(1, cap // v.n) if cap is not None else room
+            max_tokens = min(self.settings.default_max_tokens, per_choice, room)
         else:
             max_tokens = min(v.max_tokens, room)
-        self._check(tenant, v.model, n_prompt, max_tokens)
+        # n choices are one request: the tenant's per-request limits bound all they may generate.
+        self._check(tenant, v.model, n_prompt, max_tokens * v.n)
         try:
             return SamplingParams(
                 max_tokens=max_tokens,
@@ -223,6 +227,7 @@ class RequestPath:
                 top_k=v.top_k,
                 seed=v.seed,
                 stop=v.stop,
+                logprobs=v.logprobs,
             )
         except InvalidRequestError as exc:  # only max_tokens is new since validation
             raise invalid_argument([(exc.field, exc.detail)]) from None
@@ -242,11 +247,13 @@ class RequestPath:
             cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
         )
 
-    async def _admit(self, tenant: Tenant, request_id: str, request: GenerationRequest) -> Admission:
-        """Step 7: one atomic reservation of a request, prompt + max_tokens tokens and a lease."""
+    async def _admit(self, tenant: Tenant, v: ValidRequest, request: GenerationRequest) -> Admission:
+        """Step 7: one atomic reservation of a request: its prompt once, max_tokens for each of its
+        choices, and a lease."""
+        request_id = v.request_id
         try:
             admission = await self.tenancy.admission.admit(
-                tenant, request_id, len(request.prompt_token_ids), request.sampling.max_tokens
+                tenant, request_id, len(request.prompt_token_ids), request.sampling.max_tokens * v.n
             )
         except TenancyError as exc:
             raise from_tenancy(exc) from None
@@ -282,15 +289,20 @@ class RequestPath:
         PROMPT_TOKENS.labels(tenant.id).inc(len(request.prompt_token_ids))
         if self.settings.log_prompts:
             log.info("request %s tenant %s prompt %r", v.request_id, tenant.id, v.prompt or v.messages)
+        if v.user is not None:
+            log.info("request %s tenant %s for its user %r", v.request_id, tenant.id, v.user)
         priority = call.priority
         first_token_at: float | None = None
         last_token_at = call.started
         delivered = 0
+        completion = [0] * v.n  # per choice
+        cached = 0
+        unfinished = v.n
         async with self.tenancy.admission.hold(tenant, admission) as lease:
             try:
-                outputs = resumable_stream(route.pool, request, route.tokenizer)
+                outputs = _choices(route, _copies(request, v.n))
                 async with contextlib.aclosing(outputs):
-                    async for out in outputs:
+                    async for index, out in outputs:
                         now = time.monotonic()
                         if out.token_ids:
                             if first_token_at is None:
@@ -299,10 +311,19 @@ class RequestPath:
                             last_token_at = now
                             delivered += len(out.token_ids)
                             GENERATION_TOKENS.labels(tenant.id).inc(len(out.token_ids))
-                        lease.completion_tokens = out.completion_tokens
-                        yield _delta(v.request_id, out)
+                        completion[index] = out.completion_tokens
+                        lease.completion_tokens = sum(completion)
+                        if index == 0:
+                            cached = out.cached_prompt_tokens
                         if out.finish_reason is FinishReason.ERROR:
                             raise GatewayError(ErrorKind.UNAVAILABLE, f"the engine failed: {out.error}")
+                        unfinished -= out.finished
+                        usage = (
+                            Usage(len(request.prompt_token_ids), sum(completion), cached)
+                            if unfinished == 0
+                            else None
+                        )
+                        yield _delta(v.request_id, index, out, usage, route.tokenizer)
             except (WorkerLostError, EngineDeadError) as exc:
                 raise GatewayError(ErrorKind.UNAVAILABLE, str(exc)) from None
             except InvalidRequestError as exc:  # the engine disagreed with the gateway's checks
@@ -312,12 +333,87 @@ class RequestPath:
             TPOT.labels(priority).observe((last_token_at - first_token_at) / (delivered - 1))
 
 
-def _delta(request_id: str, out: RequestOutput) -> Delta:
+def _copies(request: GenerationRequest, n: int) -> list[GenerationRequest]:
+    """The engine requests of n choices: their own ids, and seeds that differ but stay reproducible."""
+    if n == 1:
+        return [request]
+    seed = request.sampling.seed
+    return [
+        dataclasses.replace(
+            request,
+            request_id=f"{request.request_id}/{i}",
+            sampling=dataclasses.replace(
+                request.sampling, seed=None if seed is None else (seed + i) % LIMITS.seed_bound
+            ),
+        )
+        for i in range(n)
+    ]
+
+
+async def _choices(
+    route: ModelRoute, requests: list[GenerationRequest]
+) -> AsyncGenerator[tuple[int, RequestOutput], None]:
+    """Every choice's outputs as (index, output), interleaved as they come.
+
+    Choices after the first start when the first has produced its first output: its prompt's full KV
+    blocks are in the prefix cache by then (the router keeps the prompt on that replica), so the other
+    copies compute only the prompt's last partial block.
+    """
+    if len(requests) == 1:
+        async with contextlib.aclosing(resumable_stream(route.pool, requests[0], route.tokenizer)) as outs:
+            async for out in outs:
+                yield 0, out
+        return
+    queue: asyncio.Queue[tuple[int, RequestOutput | BaseException | None]] = asyncio.Queue()
+    first_output = asyncio.Event()
+
+    async def pump(index: int, request: GenerationRequest) -> None:
+        try:
+            if index > 0:
+                await first_output.wait()
+            async with contextlib.aclosing(resumable_stream(route.pool, request, route.tokenizer)) as outs:
+                async for out in outs:
+                    first_output.set()
+                    queue.put_nowait((index, out))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # handed to the consumer, which fails the whole request
+            queue.put_nowait((index, exc))
+        finally:
+            first_output.set()  # a first choice that failed must not hold the others back
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    try:
+        running = len(tasks)
+        while running:
+            index, item = await queue.get()
+            if item is None:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _delta(
+    request_id: str, index: int, out: RequestOutput, usage: Usage | None, tokenizer: Tokenizer
+) -> Delta:
     """An engine output as a neutral delta, echoing the client's request id (not the engine's)."""
-    usage = (
-        Usage(out.prompt_tokens, out.completion_tokens, out.cached_prompt_tokens) if out.finished else None
-    )
-    return Delta(request_id, out.text, tuple(out.token_ids), out.finish_reason, usage)
+    logprobs = None
+    if out.logprobs is not None:
+        logprobs = tuple(
+            TokenLogprobs(
+                tokenizer.decode([lp.token_id]),
+                lp.token_id,
+                lp.logprob,
+                tuple(TopLogprob(tokenizer.decode([t]), t, v) for t, v in lp.top),
+            )
+            for lp in out.logprobs
+        )
+    return Delta(request_id, out.text, tuple(out.token_ids), out.finish_reason, usage, index, logprobs)
 
 
 def _count_refusal(tenant_id: str, err: GatewayError) -> None:

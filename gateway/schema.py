@@ -45,6 +45,9 @@ class InferenceRequest:
     stop: tuple[str, ...] = ()
     priority: Priority | None = None  # a hint, capped by the tenant's ceiling
     request_id: str | None = None  # echoed on every delta; also the admission's idempotency key
+    n: int = 1  # completions of the one prompt (choices); copies share the prompt's KV blocks
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its k best rivals
+    user: str | None = None  # the client's own end-user id: logged with the request id, never trusted
 
 
 @dataclass(frozen=True)
@@ -55,14 +58,37 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TopLogprob:
+    token: str
+    token_id: int
+    logprob: float
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A generated token's log-probability and the most likely tokens at its position, best first."""
+
+    token: str  # the token's text (a token may hold part of a character: then it shows U+FFFD)
+    token_id: int
+    logprob: float
+    top: tuple[TopLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Delta:
-    """The text and tokens new since the previous delta; the last one has the finish reason and usage."""
+    """The text and tokens new since the previous delta of its choice.
+
+    A choice's last delta has its finish reason; the request's very last delta carries the usage of
+    all its choices (the prompt counted once: what admission metered).
+    """
 
     request_id: str
     text: str
     token_ids: tuple[int, ...]
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
+    index: int = 0  # which choice, for n > 1
+    logprobs: tuple[TokenLogprobs, ...] | None = None  # one per token id, when asked for
 
     @property
     def finished(self) -> bool:

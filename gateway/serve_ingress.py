@@ -43,6 +43,9 @@ class GatewayIngress:
     async def address(self) -> str:
         return self.server.address
 
+    async def http_address(self) -> str | None:
+        return self.server.http_address
+
     def check_health(self) -> None:
         if self.server.port is None:
             raise RuntimeError("the gRPC server is not running")

@@ -7,6 +7,7 @@ adapts (``server.path``), so another front in the same process serves through th
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection
 from gateway.api import SERVICE_NAME, pb_grpc
 from gateway.auth import AuthInterceptor
 from gateway.catalog import ModelCatalog
+from gateway.http_front import HttpFront
 from gateway.metrics import ENGINE, ReplicaRow, start_metrics_server
 from gateway.request_path import RequestPath
 from gateway.service import InferenceService
@@ -41,10 +43,19 @@ class GatewayServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_server: Any = None
+        self.http = HttpFront(
+            self.path, settings, serving=lambda: self._server is not None and not self._draining
+        )
+        self._draining = False
 
     @property
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
+
+    @property
+    def http_address(self) -> str | None:
+        """``host:port`` of the OpenAI-compatible HTTP front, when it runs."""
+        return f"{self.settings.host}:{self.http.port}" if self.http.port is not None else None
 
     @property
     def metrics_port(self) -> int | None:
@@ -85,13 +96,20 @@ class GatewayServer:
         try:
             await server.start()
             self._server = server
+            if s.http_port is not None:
+                await self.http.start(s.host, s.http_port)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
         except BaseException:
             await server.stop(0)
+            self._server = None
+            await self.http.stop()
             self._stop_metrics()
             raise
         ENGINE.add_source(id(self), self._replica_rows)
-        log.info("gateway listening on %s (%s)", self.address, "TLS" if s.tls_cert_file else "plaintext")
+        security = "TLS" if s.tls_cert_file else "plaintext"
+        log.info("gateway listening on %s (gRPC, %s)", self.address, security)
+        if self.http_address is not None:
+            log.info("OpenAI-compatible HTTP on %s (%s)", self.http_address, security)
         return self
 
     def _stop_metrics(self) -> None:
@@ -113,9 +131,10 @@ class GatewayServer:
         if self._server is None:
             return
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
+        self._draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("gateway draining (grace %.0f s)", grace)
-        await self._server.stop(grace)
+        await asyncio.gather(self._server.stop(grace), self.http.stop())
         self._server = None
         ENGINE.remove_source(id(self))
         self._stop_metrics()

@@ -33,7 +33,7 @@ _FINISH = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 # proto3 ``optional`` fields: when absent, the neutral request's default applies (one place for them).
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
 
 
 def to_request(message: pb.GenerateRequest) -> tuple[InferenceRequest, list[Violation]]:
@@ -49,13 +49,24 @@ def to_request(message: pb.GenerateRequest) -> tuple[InferenceRequest, list[Viol
         stop=tuple(message.stop),
         priority=priority,
         request_id=message.request_id or None,
+        n=message.n or 1,
+        user=message.user or None,
         **{name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)},
     )
     return request, bad
 
 
 def to_response(delta: Delta) -> pb.GenerateResponse:
-    response = pb.GenerateResponse(request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids)
+    response = pb.GenerateResponse(
+        request_id=delta.request_id, text=delta.text, token_ids=delta.token_ids, index=delta.index
+    )
+    for lp in delta.logprobs or ():
+        response.logprobs.add(
+            token=lp.token,
+            token_id=lp.token_id,
+            logprob=lp.logprob,
+            top=[pb.TopLogprob(token=t.token, token_id=t.token_id, logprob=t.logprob) for t in lp.top],
+        )
     if delta.finish_reason is not None:
         response.finish_reason = _FINISH[delta.finish_reason]
     if delta.usage is not None:

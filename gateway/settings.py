@@ -11,7 +11,13 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOM_GATEWAY_", extra="ignore")
 
     host: str = "127.0.0.1"
-    port: int = Field(50051, ge=0, le=65535, description="0 picks a free port")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC; 0 picks a free port")
+    http_port: int | None = Field(
+        8000, ge=0, le=65535, description="the OpenAI-compatible HTTP front; None disables it"
+    )
+    http_keepalive_s: float = Field(
+        5.0, gt=0, description="idle HTTP keep-alive connections close after this"
+    )
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(9464, ge=0, le=65535, description="None disables the metrics endpoint")
     tls_cert_file: str | None = None

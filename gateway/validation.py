@@ -20,6 +20,7 @@ from tenancy.admission import REQUEST_ID_PATTERN
 from worker.api import LIMITS, Violation, sampling_violations
 
 MAX_MODEL_NAME_CHARS = 256
+MAX_USER_CHARS = 256
 _REQUEST_ID = re.compile(REQUEST_ID_PATTERN)
 
 
@@ -39,6 +40,9 @@ class ValidRequest:
     stop: tuple[str, ...]
     priority: Priority | None  # None: the tenant's default
     request_id: str
+    n: int
+    logprobs: int | None
+    user: str | None
 
 
 _LONE_SURROGATE = "is not valid Unicode text (it holds a lone surrogate)"
@@ -110,7 +114,12 @@ def validate(request: InferenceRequest, decode_violations: Sequence[Violation] =
         top_k=request.top_k,
         seed=request.seed,
         stop=request.stop,
+        logprobs=request.logprobs,
     )
+    if not (isinstance(request.n, int) and 1 <= request.n <= LIMITS.max_choices):
+        bad.append(("n", f"must be from 1 to {LIMITS.max_choices} choices, got {request.n!r}"))
+    if request.user is not None and len(request.user) > MAX_USER_CHARS:
+        bad.append(("user", f"is longer than {MAX_USER_CHARS} characters"))
     if request.request_id is not None and not _REQUEST_ID.fullmatch(request.request_id):
         bad.append(
             ("request_id", "must be 1-128 letters, digits or . _ : - and start with a letter or digit")
@@ -132,4 +141,7 @@ def validate(request: InferenceRequest, decode_violations: Sequence[Violation] =
         stop=tuple(request.stop),
         priority=request.priority,
         request_id=request.request_id or uuid.uuid4().hex,
+        n=request.n,
+        logprobs=request.logprobs,
+        user=request.user,
     )

@@ -88,7 +88,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     await tenancy.start()
     tok = load_tokenizer(model_dir)
     catalog = await ModelCatalog.build([(ServeEnginePool(handle, SHARED_POOL, process_registry()), tok)])
-    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
+    server = await GatewayServer(GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog).start()
     client = LoomClient(server.address, key)
     prompt = "hello loom"
     ids = tok.encode(prompt)

@@ -26,6 +26,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     # Unset flags fall back to GatewaySettings (LOOM_GATEWAY_* variables, then its defaults).
     p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
+    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000)")
+    p.add_argument("--no-http", action="store_true", help="serve gRPC only, no OpenAI-compatible HTTP front")
     p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9464)")
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded model)")
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in the shared pool")
@@ -64,9 +66,12 @@ def start_serve() -> None:
     serve.start(proxy_location=ProxyLocation.Disabled, http_options={"host": "127.0.0.1", "port": 0})
 
 
-def _banner(address: str, demo_key: str | None, tls: bool) -> str:
+def _banner(address: str, http_address: str | None, demo_key: str | None, tls: bool) -> str:
     flag = " --tls-ca CA.pem" if tls else ""
-    lines = [f"Loom is serving on {address}"]
+    lines = [f"Loom is serving gRPC on {address}"]
+    if http_address:
+        scheme = "https" if tls else "http"
+        lines.append(f"and the OpenAI-compatible API on {scheme}://{http_address}/v1")
     if demo_key:
         lines += [
             "",
@@ -77,6 +82,13 @@ def _banner(address: str, demo_key: str | None, tls: bool) -> str:
             f"  .venv/bin/loom generate --address {address}{flag} --api-key {demo_key} \\",
             '      "Write a haiku about looms."',
         ]
+        if http_address:
+            lines += [
+                f"  curl -N {scheme}://{http_address}/v1/chat/completions \\",
+                f"      -H 'Authorization: Bearer {demo_key}' -H 'Content-Type: application/json' \\",
+                '      -d \'{"model": "smollm2-135m-instruct", "stream": true, '
+                '"messages": [{"role": "user", "content": "Write a haiku about looms."}]}\'',
+            ]
     else:
         lines += ["", "Create a key with: .venv/bin/loom admin key create demo"]
     return "\n".join(lines)
@@ -93,12 +105,15 @@ def run(args: argparse.Namespace) -> int:
     flags = {
         "host": args.host,
         "port": args.port,
+        "http_port": args.http_port,
         "metrics_port": args.metrics_port,
         "tls_cert_file": args.tls_cert,
         "tls_key_file": args.tls_key,
         "tls_client_ca_file": args.tls_client_ca,
     }
     gateway = GatewaySettings(**{k: v for k, v in flags.items() if v is not None})
+    if args.no_http:
+        gateway = gateway.model_copy(update={"http_port": None})
     demo_key = bootstrap_embedded(tenancy) if tenancy.store == "file" else None
     try:
         return asyncio.run(_serve(args, gateway, tenancy, demo_key))
@@ -142,6 +157,7 @@ async def _serve(
         app = gateway_app(pools, gateway, tenancy_settings)  # type: ignore[arg-type]
         handle = await asyncio.to_thread(serve.run, app, name="loom", route_prefix=None)
         address = await handle.address.remote()
+        http_address = await handle.http_address.remote()
     else:
         handles = {}
         for p in pools:
@@ -156,8 +172,9 @@ async def _serve(
         )
         server = await GatewayServer(gateway, tenancy, catalog).start()  # type: ignore[arg-type]
         address = server.address
+        http_address = server.http_address
     print(f"ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
-    print(_banner(address, demo_key, bool(args.tls_cert)), flush=True)
+    print(_banner(address, http_address, demo_key, bool(args.tls_cert)), flush=True)
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import openai
+
 from loadtest.tiny_model import random_checkpoint, save_hf_dir
 
 LOOM = str(Path(sys.executable).with_name("loom"))
@@ -36,11 +38,14 @@ def test_generate_local_streams_a_completion() -> None:
 
 def test_serve_prints_a_key_that_generate_uses_then_shuts_down_on_ctrl_c(tmp_path: Path) -> None:
     model = save_hf_dir(random_checkpoint(), tmp_path / "tiny")
-    port, metrics = _free_port(), _free_port()
+    port, http_port, metrics = _free_port(), _free_port(), _free_port()
     env = {**os.environ, "LOOM_ENGINE_KV_CACHE_MEMORY_MB": "8", "LOOM_ENGINE_NUM_THREADS": "1"}
     env.pop("LOOM_API_KEY", None)
     serve = subprocess.Popen(
-        [LOOM, "serve", "--port", str(port), "--metrics-port", str(metrics), "--model", str(model)],
+        [
+            *(LOOM, "serve", "--port", str(port), "--http-port", str(http_port)),
+            *("--metrics-port", str(metrics), "--model", str(model)),
+        ],
         cwd=tmp_path,
         env=env,
         stdout=subprocess.PIPE,
@@ -50,7 +55,7 @@ def test_serve_prints_a_key_that_generate_uses_then_shuts_down_on_ctrl_c(tmp_pat
     try:
         banner = ""
         deadline = time.monotonic() + 240
-        while "loom_" not in banner and time.monotonic() < deadline and serve.poll() is None:
+        while "-d '{" not in banner and time.monotonic() < deadline and serve.poll() is None:
             banner += serve.stdout.readline()  # type: ignore[union-attr]
         key = re.search(r"loom_[0-9a-f]+_[0-9a-f]+", banner)
         assert key, f"no demo key in the banner: {banner!r}"
@@ -82,6 +87,15 @@ def test_serve_prints_a_key_that_generate_uses_then_shuts_down_on_ctrl_c(tmp_pat
             timeout=120,
         )
         assert bad.returncode == 1 and "UNAUTHENTICATED" in bad.stderr
+        # The banner's HTTP address serves the OpenAI API to the same key, streamed.
+        assert f"http://127.0.0.1:{http_port}/v1" in banner
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=key.group(0))
+        chunks = list(
+            client.completions.create(
+                model=client.models.list().data[0].id, prompt="hi", max_tokens=5, stream=True
+            )
+        )
+        assert sum(1 for c in chunks if c.choices and c.choices[0].text) >= 1
     finally:
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=120) == 0

@@ -21,6 +21,7 @@ class RequestLimits:
     max_stop_strings: int = 16
     max_stop_chars: int = 256
     max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs bound)
+    max_choices: int = 8  # completions of one prompt in one request (n)
     seed_bound: int = 2**63  # seeds are in [0, seed_bound)
 
 

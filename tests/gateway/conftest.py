@@ -57,8 +57,6 @@ def _tiny_engine(tiny_dir: Path, **kw: Any) -> EngineConfig:
     return EngineConfig(**{**base, **kw})
 
 
-
-
 @pytest.fixture(scope="session")
 def engine_handles(ray_serve: None, tiny_dir: Path) -> dict[str, Any]:
     """Deployments: tiny (shared), smol (shared), vip (a dedicated pool), fragile (for kill tests)."""
@@ -119,6 +117,14 @@ class Gateway:
     def client(self, key: str | None) -> LoomClient:
         return LoomClient(self.address, key)
 
+    def openai(self, key: str) -> Any:
+        """The official OpenAI SDK pointed at the gateway's HTTP front (no retries: tests see errors)."""
+        import openai
+
+        return openai.AsyncOpenAI(
+            base_url=f"http://{self.server.http_address}/v1", api_key=key, max_retries=0
+        )
+
 
 async def start_gateway(
     handles: dict[str, Any], tenancy_settings: TenancySettings, tiny_dir: Path, **settings: Any
@@ -133,7 +139,7 @@ async def start_gateway(
             (ServeEnginePool(handles["vip"], "vip", process_registry()), tiny_tok),
         ]
     )
-    gw_settings = GatewaySettings(port=0, metrics_port=0, drain_grace_s=5.0, **settings)
+    gw_settings = GatewaySettings(port=0, http_port=0, metrics_port=0, drain_grace_s=5.0, **settings)
     server = await GatewayServer(gw_settings, tenancy, catalog).start()
     return server, tenancy
 
@@ -148,7 +154,9 @@ async def private_gateway(
     catalog = await ModelCatalog.build(
         [(ServeEnginePool(handle, "shared", process_registry()), load_tokenizer(tiny_dir))]
     )
-    server = await GatewayServer(GatewaySettings(port=0, metrics_port=None), tenancy, catalog).start()
+    server = await GatewayServer(
+        GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog
+    ).start()
     try:
         yield server
     finally:

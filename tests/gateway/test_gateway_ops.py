@@ -250,7 +250,7 @@ async def test_gateway_runs_as_a_serve_deployment(
 
     port = _free_port()
     app = gateway_deployment(
-        GatewaySettings(port=port, metrics_port=None),
+        GatewaySettings(port=port, http_port=0, metrics_port=None),
         tenancy_settings,
         {"shared": engine_app(PoolSpec(name="shared", engine=_tiny_engine(tiny_dir)))},
         {"shared": str(tiny_dir)},

@@ -1,0 +1,219 @@
+"""The OpenAI-compatible HTTP API's bodies, as pydantic models (they document ``/openapi.json``).
+
+Requests accept what OpenAI's chat and completions endpoints accept. Fields Loom ignores by design
+(unknown ones) are dropped; fields whose meaning Loom cannot honour (tools, images, audio, logit
+bias...) are refused by name in ``unsupported_fields``, because silently ignoring them would return an
+answer the client did not ask for. Loom's own ``priority`` and ``top_k`` ride as extra body fields, as
+vLLM's extensions do.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from common import Priority
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored (checked by name below)
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: bool = False
+
+
+class ChatMessageIn(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class _Sampling(_Body):
+    model: str
+    temperature: float | None = Field(None, description="default 1; 0 is greedy")
+    top_p: float | None = None
+    top_k: int | None = Field(None, description="Loom/vLLM extension; 0 or unset: no top-k cut")
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = 1
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = Field(None, description="your end-user's id: logged with the request id")
+    priority: Priority | None = Field(None, description="Loom: a hint, capped by the tenant's ceiling")
+    request_id: str | None = Field(None, description="Loom: echoed; the admission's idempotency key")
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessageIn]
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+
+class CompletionRequest(_Sampling):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, description="as OpenAI: 16 when unset")
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+
+# Fields that change what the answer means, which Loom cannot honour: refused by name, never ignored.
+# Each maps to the value that means "not used" (a request may send that value).
+_UNSUPPORTED: dict[str, Any] = {
+    "tools": None,
+    "tool_choice": None,
+    "functions": None,
+    "function_call": None,
+    "response_format": None,
+    "audio": None,
+    "prediction": None,
+    "web_search_options": None,
+    "logit_bias": None,
+    "presence_penalty": 0,
+    "frequency_penalty": 0,
+    "repetition_penalty": 1,
+}
+_UNSUPPORTED_MODALITIES = {"image_url", "input_audio", "file", "image", "audio", "video"}
+
+
+def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[tuple[str, str]]:
+    """(field, why) for each field this request sets to a meaning Loom cannot give it."""
+    bad: list[tuple[str, str]] = []
+    extra = body.model_extra or {}
+    for name, off in _UNSUPPORTED.items():
+        value = extra.get(name, off)
+        if value not in (off, None, {}, []) and not _plain_text_format(name, value):
+            bad.append((name, "is not supported by Loom"))
+    modalities = extra.get("modalities")
+    if modalities not in (None, ["text"]):
+        bad.append(("modalities", "only text output is supported"))
+    if isinstance(body, ChatCompletionRequest):
+        for i, m in enumerate(body.messages):
+            if m.role in ("tool", "function"):
+                bad.append(
+                    (f"messages[{i}].role", f"{m.role!r} messages need tools, which Loom does not support")
+                )
+            for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                kind = part.get("type")
+                if kind in _UNSUPPORTED_MODALITIES:
+                    bad.append((f"messages[{i}].content[{j}]", f"{kind!r} input is not supported; send text"))
+                elif kind != "text":
+                    bad.append((f"messages[{i}].content[{j}].type", f"unknown content part {kind!r}"))
+    else:
+        if body.echo:
+            bad.append(("echo", "is not supported by Loom"))
+        if body.suffix:
+            bad.append(("suffix", "is not supported by Loom"))
+        if body.best_of is not None and body.best_of != body.n:
+            bad.append(("best_of", "is not supported by Loom (use n)"))
+    return bad
+
+
+def _plain_text_format(name: str, value: Any) -> bool:
+    """``response_format: {"type": "text"}`` asks for what Loom does anyway."""
+    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
+
+
+# ---- responses -------------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class UsageOut(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class TopLogprobOut(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class TokenLogprobOut(TopLogprobOut):
+    top_logprobs: list[TopLogprobOut]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprobOut]
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: AssistantMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageOut
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: UsageOut
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "loom"
+    context_length: int
+    pool: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody

@@ -1,0 +1,249 @@
+"""The OpenAI-compatible HTTP front, driven by the official ``openai`` SDK over a real socket.
+
+The same gateway, tenancy and engine replicas as the gRPC tests: what a client gets must not depend on
+the front it uses.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from gateway.api import pb
+from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually
+from tests.gateway.test_gateway_e2e import _usage, _usage_matches, collect
+
+
+async def grpc_greedy(
+    gateway: Gateway, key: str, **fields: Any
+) -> tuple[str, list[int], pb.GenerateResponse]:
+    async with gateway.client(key) as client:
+        _, text, ids, last = await collect(
+            client.generate_call(pb.GenerateRequest(temperature=0.0, **fields))
+        )
+    return text, ids, last
+
+
+# ---- the same answers as gRPC ---------------------------------------------------------------------
+
+
+async def test_chat_streamed_and_whole_equal_the_grpc_path(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    question = [("user", "What is the capital of France?")]
+    want_text, want_ids, want_last = await grpc_greedy(
+        gateway,
+        key,
+        model=SMOL,
+        max_tokens=16,
+        messages=[pb.ChatMessage(role=r, content=c) for r, c in question],
+    )
+    client = gateway.openai(key)
+    messages = [{"role": r, "content": c} for r, c in question]
+    whole = await client.chat.completions.create(model=SMOL, messages=messages, max_tokens=16, temperature=0)
+    assert whole.choices[0].message.content == want_text
+    assert whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.prompt_tokens == want_last.usage.prompt_tokens
+    assert whole.usage.completion_tokens == len(want_ids)
+
+    stream = await client.chat.completions.create(
+        model=SMOL,
+        messages=messages,
+        max_completion_tokens=16,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = [c async for c in stream]
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want_text
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want_ids)
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+async def test_completions_streamed_and_whole_equal_the_grpc_path(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    want_text, want_ids, _ = await grpc_greedy(gateway, key, model=TINY, prompt="the loom", max_tokens=12)
+    client = gateway.openai(key)
+    whole = await client.completions.create(model=TINY, prompt="the loom", max_tokens=12, temperature=0)
+    assert whole.choices[0].text == want_text and whole.usage.completion_tokens == len(want_ids)
+    stream = await client.completions.create(
+        model=TINY, prompt="the loom", max_tokens=12, temperature=0, stream=True
+    )
+    assert "".join([c.choices[0].text async for c in stream]) == want_text
+
+
+async def test_n_choices_with_a_seed_differ_and_reproduce(gateway: Gateway) -> None:
+    tenant, key = await gateway.tenant()
+    client = gateway.openai(key)
+    reported = 0
+
+    async def two() -> list[str]:
+        nonlocal reported
+        r = await client.completions.create(
+            model=TINY, prompt="weave a story", max_tokens=20, n=2, seed=11, temperature=1.0, logprobs=0
+        )
+        assert [c.index for c in r.choices] == [0, 1]
+        assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+        reported += r.usage.completion_tokens
+        return [c.text for c in r.choices]
+
+    first, again = await two(), await two()
+    assert first[0] != first[1]  # two different completions
+    assert first == again  # and the same ones for the same seed
+    await eventually(lambda: _usage_matches(gateway, tenant.id, 2))
+    _, _, completion = await _usage(gateway, tenant.id)
+    assert completion == reported  # metered is what the responses reported
+
+
+async def test_logprobs_over_http_and_grpc_agree(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    async with gateway.client(key) as c:
+        chunks, _, ids, _ = await collect(
+            c.generate_call(
+                pb.GenerateRequest(model=TINY, prompt="hi", max_tokens=6, temperature=0.0, logprobs=2)
+            )
+        )
+    grpc_lps = [lp for ch in chunks for lp in ch.logprobs]
+    assert [lp.token_id for lp in grpc_lps] == ids and all(len(lp.top) == 2 for lp in grpc_lps)
+    client = gateway.openai(key)
+    r = await client.chat.completions.create(
+        model=TINY,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=6,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    assert all(e.top_logprobs[0].token == e.token and e.logprob <= 0 for e in content)  # greedy: the best
+    rc = await client.completions.create(model=TINY, prompt="hi", max_tokens=6, temperature=0, logprobs=2)
+    assert rc.choices[0].logprobs.token_logprobs == pytest.approx([lp.logprob for lp in grpc_lps], abs=1e-5)
+
+
+# ---- refusals, as the SDK's exception classes --------------------------------------------------------
+
+
+async def test_each_refusal_maps_to_the_sdks_exception(gateway: Gateway) -> None:
+    _, key = await gateway.tenant(models=(TINY,))
+    suspended, s_key = await gateway.tenant()
+    gateway.store.update_tenant(suspended.id, {"status": "suspended"}, actor="tests")
+    await eventually(lambda: not gateway.tenancy.authenticate(s_key).tenant.is_active)
+    ok = gateway.openai(key)
+    chat = dict(messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+
+    with pytest.raises(openai.AuthenticationError):
+        await gateway.openai("loom_nope_nope").chat.completions.create(model=TINY, **chat)
+    with pytest.raises(openai.PermissionDeniedError):
+        await gateway.openai(s_key).chat.completions.create(model=TINY, **chat)
+    with pytest.raises(openai.PermissionDeniedError):
+        await ok.chat.completions.create(model=SMOL, **chat)  # not among the tenant's models
+    all_models_key = (await gateway.tenant())[1]
+    with pytest.raises(openai.NotFoundError) as missing:
+        await gateway.openai(all_models_key).chat.completions.create(model="no-such-model", **chat)
+    assert missing.value.body["param"] == "model"
+    with pytest.raises(openai.BadRequestError) as bad:
+        await ok.chat.completions.create(model=TINY, temperature=3.5, **chat)
+    assert bad.value.body["param"] == "temperature" and bad.value.body["type"] == "invalid_request_error"
+    with pytest.raises(openai.BadRequestError) as tools:
+        await ok.chat.completions.create(
+            model=TINY, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], **chat
+        )
+    assert tools.value.body["param"] == "tools"
+    with pytest.raises(openai.BadRequestError) as image:
+        await ok.chat.completions.create(
+            model=TINY,
+            messages=[
+                {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}
+            ],
+        )
+    assert image.value.body["param"] == "messages[0].content[0]"
+
+
+async def test_exhausted_quota_is_429_with_retry_after(gateway: Gateway) -> None:
+    _, key = await gateway.tenant(quotas={"requests_per_minute": 1})
+    client = gateway.openai(key)
+    await client.completions.create(model=TINY, prompt="a", max_tokens=1)
+    with pytest.raises(openai.RateLimitError) as info:
+        await client.completions.create(model=TINY, prompt="a", max_tokens=1)
+    headers = info.value.response.headers
+    assert 1 <= int(headers["retry-after"]) <= 60
+    assert info.value.body["code"] == "requests_per_minute"
+
+
+async def test_bad_json_and_unknown_fields(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    url = f"http://{gateway.server.http_address}/v1/completions"
+    headers = {"authorization": f"Bearer {key}"}
+    async with httpx.AsyncClient() as http:
+        garbage = await http.post(url, content=b"{not json", headers=headers)
+        unauthenticated = await http.post(url, content=b"{not json")
+        unknown = await http.post(
+            url, json={"model": TINY, "prompt": "a", "max_tokens": 1, "some_future_field": 1}, headers=headers
+        )
+    assert garbage.status_code == 400 and garbage.json()["error"]["param"] == "body"
+    assert unauthenticated.status_code == 401  # the key is checked before the body is read
+    assert unknown.status_code == 200  # unknown fields are ignored
+
+
+# ---- the connection ----------------------------------------------------------------------------------
+
+
+async def test_client_that_disconnects_frees_kv_and_lease(gateway: Gateway) -> None:
+    tenant, key = await gateway.tenant(quotas={"max_concurrent": 1})
+    url = f"http://{gateway.server.http_address}/v1/completions"
+    body = {"model": TINY, "prompt": "a long one", "max_tokens": 900, "temperature": 0, "stream": True}
+    events = 0
+    headers = {"authorization": f"Bearer {key}"}
+    async with (
+        httpx.AsyncClient(timeout=30) as http,
+        http.stream("POST", url, json=body, headers=headers) as r,
+    ):
+        assert r.status_code == 200
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events += 1
+                if events >= 5:
+                    break  # leaving the block closes the connection mid-stream
+    await eventually(lambda: engine_idle(gateway.handles["tiny"]))
+    client = gateway.openai(key)
+    done = await client.completions.create(model=TINY, prompt="a", max_tokens=1)  # the slot is free again
+    assert done.choices[0].finish_reason == "length"
+    await eventually(lambda: _usage_matches(gateway, tenant.id, 2))
+    _, _, completion = await _usage(gateway, tenant.id)
+    assert 4 <= completion - 1 <= events + 1  # the disconnected stream paid for what it was sent
+
+
+async def test_models_health_and_openapi(gateway: Gateway) -> None:
+    _, key = await gateway.tenant(models=(TINY,))
+    models = await gateway.openai(key).models.list()
+    assert [m.id for m in models.data] == [TINY]
+    base = f"http://{gateway.server.http_address}"
+    async with httpx.AsyncClient() as http:
+        health = await http.get(f"{base}/health")
+        spec = (await http.get(f"{base}/openapi.json")).json()
+    assert health.status_code == 200
+    assert {"/v1/chat/completions", "/v1/completions", "/v1/models"} <= set(spec["paths"])
+    body = spec["paths"]["/v1/chat/completions"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["schema"]["$ref"].endswith("ChatCompletionRequest")
+    assert "ChatCompletionRequest" in spec["components"]["schemas"]
+    json.dumps(spec)
+
+
+async def test_concurrent_http_and_grpc_streams(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    client = gateway.openai(key)
+    want, _, _ = await grpc_greedy(gateway, key, model=TINY, prompt="together", max_tokens=20)
+
+    async def http_text() -> str:
+        r = await client.completions.create(model=TINY, prompt="together", max_tokens=20, temperature=0)
+        return r.choices[0].text
+
+    texts = await asyncio.gather(*(http_text() for _ in range(4)))
+    assert texts == [want] * 4
