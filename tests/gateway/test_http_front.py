@@ -247,3 +247,17 @@ async def test_concurrent_http_and_grpc_streams(gateway: Gateway) -> None:
 
     texts = await asyncio.gather(*(http_text() for _ in range(4)))
     assert texts == [want] * 4
+
+
+async def test_n_choices_share_the_prompts_kv_blocks(gateway: Gateway) -> None:
+    _, key = await gateway.tenant()
+    handle = gateway.handles["tiny"]
+    prompt = "A prompt long enough to fill several KV blocks of eight tokens each. " * 2
+    before = (await handle.stats.remote()).prefix_cache_hits
+    r = await gateway.openai(key).completions.create(
+        model=TINY, prompt=prompt, max_tokens=4, n=3, temperature=1.0
+    )
+    hits = (await handle.stats.remote()).prefix_cache_hits - before
+    full_blocks = (r.usage.prompt_tokens - 1) // 8 * 8
+    assert full_blocks >= 64
+    assert hits >= 2 * full_blocks  # the second and third choice found the first one's prompt blocks
