@@ -24,6 +24,10 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from loadtest.machine import cpu_line
+
 RESULTS_DIR = Path(__file__).parent / "results"
 
 
@@ -88,7 +92,9 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     await tenancy.start()
     tok = load_tokenizer(model_dir)
     catalog = await ModelCatalog.build([(ServeEnginePool(handle, SHARED_POOL, process_registry()), tok)])
-    server = await GatewayServer(GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog).start()
+    server = await GatewayServer(
+        GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog
+    ).start()
     client = LoomClient(server.address, key)
     prompt = "hello loom"
     ids = tok.encode(prompt)
@@ -109,7 +115,31 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
         async for _ in client.generate_call(request):
             pass
 
-    paths = {"engine_inprocess": inprocess, "serve_handle": via_handle, "gateway": via_gateway}
+    http = httpx.AsyncClient(
+        base_url=f"http://{server.http_address}", headers={"authorization": f"Bearer {key}"}, timeout=30
+    )
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0.0}
+
+    async def via_http_stream() -> None:
+        async with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            async for line in r.aiter_lines():
+                if line == "data: [DONE]":
+                    break
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP front answered {r.status_code}")
+
+    async def via_http_whole() -> None:
+        r = await http.post("/v1/completions", json=body)
+        if r.status_code != 200:
+            raise RuntimeError(f"HTTP front answered {r.status_code}: {r.text}")
+
+    paths = {
+        "engine_inprocess": inprocess,
+        "serve_handle": via_handle,
+        "gateway": via_gateway,
+        "http_stream": via_http_stream,
+        "http_whole": via_http_whole,
+    }
     for fn in paths.values():  # warm-up: connections, JIT paths, caches
         for _ in range(20):
             await fn()
@@ -122,6 +152,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
             samples[name].append(time.perf_counter() - t)
 
     await client.close()
+    await http.aclose()
     await server.stop(grace_s=0)
     await tenancy.stop()
     local.shutdown()
@@ -148,6 +179,11 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
         "gateway_over_engine_p99_ms": round(
             result["gateway"]["p99_ms"] - result["engine_inprocess"]["p99_ms"], 3
         ),
+        **{
+            f"{front}_over_grpc_{q}_ms": round(result[front][f"{q}_ms"] - result["gateway"][f"{q}_ms"], 3)
+            for front in ("http_stream", "http_whole")
+            for q in ("p50", "p99")
+        },
     }
     return {"paths": result, "added": added}
 
@@ -173,13 +209,17 @@ def to_markdown(report: dict[str, Any]) -> str:
         "# Gateway overhead",
         "",
         f"{report['requests']} sequential one-token greedy completions per path (a 10-character prompt, tiny "
-        "random model, one engine replica on CPU), the three paths interleaved round-robin in one run; Redis "
-        f"admission on the local Redis server. Date {report['date']}.",
+        "random model, one engine replica on CPU), the paths interleaved round-robin in one run; Redis "
+        f"admission on the local Redis server. Date {report['date']}. CPU: {report.get('cpu', '?')}.",
+        "",
+        "`gateway` is the gRPC front (grpc.aio client); `http_stream` and `http_whole` are the "
+        "OpenAI-compatible front (an httpx client, keep-alive), `/v1/completions` streamed as server-sent "
+        "events and answered whole.",
         "",
         "| path | p50 ms | p99 ms | mean ms |",
         "|---|---:|---:|---:|",
     ]
-    for name in ("engine_inprocess", "serve_handle", "gateway"):
+    for name in ("engine_inprocess", "serve_handle", "gateway", "http_stream", "http_whole"):
         lines.append(
             f"| {name} | {p[name]['p50_ms']:.2f} | {p[name]['p99_ms']:.2f} | {p[name]['mean_ms']:.2f} |"
         )
@@ -190,6 +230,13 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"p99 {a['gateway_over_serve_handle_p99_ms']:.2f} ms. Over the in-process engine "
         f"(Ray dispatch included): p50 {a['gateway_over_engine_p50_ms']:.2f} ms, "
         f"p99 {a['gateway_over_engine_p99_ms']:.2f} ms.",
+        "",
+        "The HTTP front against the gRPC front (same path behind both): streamed "
+        f"**p50 {a['http_stream_over_grpc_p50_ms']:+.2f} ms**, "
+        f"p99 {a['http_stream_over_grpc_p99_ms']:+.2f} ms; "
+        f"whole p50 {a['http_whole_over_grpc_p50_ms']:+.2f} ms, "
+        f"p99 {a['http_whole_over_grpc_p99_ms']:+.2f} ms "
+        "(client libraries included: each front is measured as its clients meet it).",
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
     ]
@@ -203,7 +250,7 @@ def run_benchmark(
     log: Any = print,
 ) -> dict[str, Any]:
     report = asyncio.run(_run(n, redis_url, log))
-    report.update(requests=n, date=time.strftime("%Y-%m-%d"), versions=versions())
+    report.update(requests=n, date=time.strftime("%Y-%m-%d"), versions=versions(), cpu=cpu_line())
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gateway.json").write_text(json.dumps(report, indent=2) + "\n")
