@@ -17,6 +17,7 @@ import logging
 import math
 import ssl
 import time
+import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -303,6 +304,7 @@ class HttpFront:
             redoc_url=None,
         )
         app.add_exception_handler(GatewayError, lambda _req, exc: error_json(exc))  # type: ignore[arg-type]
+        app.add_exception_handler(Exception, _internal_error)
         responses: dict[int | str, dict[str, Any]] = {
             code: {"model": ErrorResponse} for code in (400, 401, 403, 404, 409, 429, 500, 503)
         }
@@ -410,7 +412,8 @@ class HttpFront:
                     )
             yield b"data: [DONE]\n\n"
 
-        return StreamingResponse(
+        return _StallGuardedStream(
+            self.settings.stream_stall_timeout_s,
             events(),
             media_type="text/event-stream",
             headers={"X-Request-Id": first.request_id, "Cache-Control": "no-cache"},
@@ -477,6 +480,38 @@ class HttpFront:
         with contextlib.suppress(Exception):
             await self._task
         self._server = None
+
+
+class _StallGuardedStream(StreamingResponse):
+    """Server-sent events whose every write must complete within ``stall_s``.
+
+    A write waits only once the socket's buffers are full, that is when the client has read nothing
+    for a while; then the stream is ended (the path's generator closes, aborting the engine work and
+    settling the lease) instead of holding its slot and buffers for as long as the client lingers.
+    """
+
+    def __init__(self, stall_s: float, content: Any, **kwargs: Any) -> None:
+        super().__init__(content, **kwargs)
+        self.stall_s = stall_s
+
+    async def stream_response(self, send: Any) -> None:
+        async def guarded(message: Any) -> None:
+            await asyncio.wait_for(send(message), self.stall_s)
+
+        try:
+            await super().stream_response(guarded)
+        except TimeoutError:
+            log.warning("a client read nothing for %.0f s; its stream was ended", self.stall_s)
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+def _internal_error(request: Request, exc: Exception) -> JSONResponse:
+    """A bug outside the path: 500 in OpenAI's shape with an id to quote; the traceback only in the log."""
+    ref = uuid.uuid4().hex[:16]
+    log.error("HTTP %s %s failed (ref %s)", request.method, request.url.path, ref, exc_info=exc)
+    return error_json(GatewayError(ErrorKind.INTERNAL, f"internal error (ref {ref})"))
 
 
 def _sse(payload: dict[str, Any]) -> bytes:

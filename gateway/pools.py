@@ -10,13 +10,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from tenancy.models import SHARED_POOL
-from worker.api import AsyncEngine, EngineStats, GenerationRequest, ReplicaStatsRegistry, RequestOutput
+from worker.api import (
+    AsyncEngine,
+    EngineDeadError,
+    EngineStats,
+    FinishReason,
+    GenerationRequest,
+    ReplicaStatsRegistry,
+    RequestOutput,
+)
 
 log = logging.getLogger(__name__)
 
@@ -66,9 +75,12 @@ class LocalEnginePool:
 class ServeEnginePool:
     """A Ray Serve deployment of ``worker.serve_engine.EngineReplica``."""
 
-    # A replica lost before the first delta is retried on another replica (or its replacement);
-    # after output has been streamed the request fails with UNAVAILABLE, its usage counted.
+    # A replica lost (or whose engine died) before the first delta is retried on another replica (or
+    # its replacement); after output has been streamed it is WorkerLostError, which resume.py continues.
     RETRIES_BEFORE_OUTPUT = 2
+    # A request whose engine failed it before its first token (a forward pass that raised) is retried
+    # once elsewhere: the router ranks the replica that failed it last.
+    RETRIES_AFTER_ENGINE_ERROR = 1
 
     def __init__(self, handle: Any, name: str, stats: ReplicaStatsRegistry) -> None:
         self.name = name
@@ -85,30 +97,48 @@ class ServeEnginePool:
         import ray.exceptions
         from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
 
-        lost = (ray.exceptions.RayActorError, ReplicaUnavailableError, DeploymentUnavailableError)
-        attempt = 0
+        lost = (
+            ray.exceptions.RayActorError,
+            ReplicaUnavailableError,
+            DeploymentUnavailableError,
+            EngineDeadError,
+        )
+        losses = errors = 0
+        current = request
         while True:
-            response = self._stream.generate.remote(request)
+            response = self._stream.generate.remote(current)
             delivered = False
             finished = False
+            retry = False
             try:
                 async for out in response:
+                    failed_first = not delivered and out.finish_reason is FinishReason.ERROR
+                    if failed_first and errors < self.RETRIES_AFTER_ENGINE_ERROR:
+                        errors += 1
+                        finished = retry = True
+                        log.warning(
+                            "engine failed request %s before output; retrying elsewhere", request.request_id
+                        )
+                        break
                     delivered = True
                     finished = out.finished
                     yield out
-                return
+                if not retry:
+                    return
             except lost as exc:
-                if not delivered and attempt < self.RETRIES_BEFORE_OUTPUT:
-                    attempt += 1
-                    await asyncio.sleep(0.5 * attempt)  # let Serve mark the replica dead or replace it
-                    log.warning(
-                        "replica lost before output (%s); retrying request %s", exc, request.request_id
-                    )
-                    continue
-                raise WorkerLostError(f"the engine replica serving this request was lost: {exc}") from exc
+                if delivered or losses >= self.RETRIES_BEFORE_OUTPUT:
+                    log.warning("request %s lost its replica: %s", request.request_id, exc)
+                    raise WorkerLostError("the engine replica serving this request was lost") from exc
+                losses += 1
+                await asyncio.sleep(0.5 * losses)  # let Serve mark the replica dead or replace it
+                log.warning("replica lost before output (%s); retrying request %s", exc, request.request_id)
             finally:
                 if not finished:
                     response.cancel()  # the replica's generator is cancelled: it aborts the request
+            attempt = losses + errors
+            current = dataclasses.replace(
+                request, request_id=f"{request.request_id}#retry{attempt}", retry_of=current.request_id
+            )
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return self._stats.replicas(self.deployment)

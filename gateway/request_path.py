@@ -32,6 +32,7 @@ import contextlib
 import dataclasses
 import logging
 import time
+import uuid
 from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
@@ -112,6 +113,11 @@ class RequestPath:
             AUTH_REFUSALS.inc()
             raise GatewayError(ErrorKind.UNAUTHENTICATED, str(exc)) from None
 
+    def record_refusal(self, principal: Principal, err: GatewayError) -> None:
+        """Count a refusal a front made before the path could run (a body it could not decode)."""
+        _count_refusal(principal.tenant.id, err)
+        REQUESTS.labels(principal.tenant.id, "unknown", err.kind.name).inc()
+
     def list_models(self, principal: Principal) -> list[ServedModel]:
         """The models this caller may use, in the pool that serves its tenant."""
         return [
@@ -157,10 +163,11 @@ class RequestPath:
         except (asyncio.CancelledError, GeneratorExit):
             call.code = ended_early().name
             raise
-        except Exception as exc:  # a bug: the client gets INTERNAL, the log gets the traceback
-            log.exception("request of tenant %s failed", tenant.id)
+        except Exception as exc:  # a bug: the client gets INTERNAL and an id to quote, the log the rest
+            ref = request.request_id or uuid.uuid4().hex[:16]
+            log.exception("request %s of tenant %s failed", ref, tenant.id)
             call.code = ErrorKind.INTERNAL.name
-            raise GatewayError(ErrorKind.INTERNAL, "internal error") from exc
+            raise GatewayError(ErrorKind.INTERNAL, f"internal error (request {ref})") from exc
         finally:
             REQUESTS.labels(call.tenant, call.priority, call.code).inc()
 
@@ -304,6 +311,12 @@ class RequestPath:
                 async with contextlib.aclosing(outputs):
                     async for index, out in outputs:
                         now = time.monotonic()
+                        if now - call.started > self.settings.max_stream_duration_s:
+                            raise GatewayError(
+                                ErrorKind.DEADLINE_EXCEEDED,
+                                f"the stream ran past the gateway's limit of "
+                                f"{self.settings.max_stream_duration_s:g} s",
+                            )
                         if out.token_ids:
                             if first_token_at is None:
                                 first_token_at = now
@@ -316,7 +329,11 @@ class RequestPath:
                         if index == 0:
                             cached = out.cached_prompt_tokens
                         if out.finish_reason is FinishReason.ERROR:
-                            raise GatewayError(ErrorKind.UNAVAILABLE, f"the engine failed: {out.error}")
+                            log.warning("engine failed request %s: %s", request.request_id, out.error)
+                            raise GatewayError(
+                                ErrorKind.UNAVAILABLE,
+                                f"the engine failed request {v.request_id} after it started; retry it",
+                            )
                         unfinished -= out.finished
                         usage = (
                             Usage(len(request.prompt_token_ids), sum(completion), cached)
@@ -360,7 +377,7 @@ async def _choices(
     copies compute only the prompt's last partial block.
     """
     if len(requests) == 1:
-        async with contextlib.aclosing(resumable_stream(route.pool, requests[0], route.tokenizer)) as outs:
+        async with contextlib.aclosing(resumable_stream(route.pool, requests[0])) as outs:
             async for out in outs:
                 yield 0, out
         return
@@ -371,7 +388,7 @@ async def _choices(
         try:
             if index > 0:
                 await first_output.wait()
-            async with contextlib.aclosing(resumable_stream(route.pool, request, route.tokenizer)) as outs:
+            async with contextlib.aclosing(resumable_stream(route.pool, request)) as outs:
                 async for out in outs:
                     first_output.set()
                     queue.put_nowait((index, out))

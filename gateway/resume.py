@@ -6,8 +6,10 @@ and it may generate only what remains of ``max_tokens``. The client sees one uni
 cumulative counts. Greedy requests continue exactly as they would have; a seeded sampled request
 continues with a seed derived from its own, so a retry of the whole request still reproduces it.
 
-Text the lost replica had decoded but was still holding back (the tail of a possible stop string, or
-bytes of an unfinished character) is recovered by decoding the delivered tokens here.
+The continuation is told how many of its prompt tokens are delivered output (``num_resumed_tokens``),
+so its engine picks up the text exactly where the lost one stopped: what was held back for a possible
+stop string, a character whose first bytes were delivered, a stop string that spans the cut. A replica
+lost after the stream's final delta is not resumed.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 from gateway.pools import EnginePool, WorkerLostError
-from worker.api import GenerationRequest, RequestOutput, Tokenizer
+from worker.api import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 
@@ -26,13 +28,13 @@ MAX_RESUMES = 2
 
 
 async def resumable_stream(
-    pool: EnginePool, request: GenerationRequest, tokenizer: Tokenizer, max_resumes: int = MAX_RESUMES
+    pool: EnginePool, request: GenerationRequest, max_resumes: int = MAX_RESUMES
 ) -> AsyncGenerator[RequestOutput, None]:
     delivered: list[int] = []
-    text = ""
     cached = 0
     current = request
     for attempt in range(max_resumes + 1):
+        finished = False
         try:
             # Closing this stream closes the pool's at once, which stops the request in the engine.
             async with contextlib.aclosing(pool.generate(current)) as outputs:
@@ -40,13 +42,15 @@ async def resumable_stream(
                     if attempt == 0:
                         cached = out.cached_prompt_tokens
                     delivered += out.token_ids
-                    text += out.text
                     out.prompt_tokens = len(request.prompt_token_ids)
                     out.completion_tokens = len(delivered)
                     out.cached_prompt_tokens = cached
+                    finished = out.finished
                     yield out
             return
         except WorkerLostError:
+            if finished:  # lost after its last delta: the stream is whole, there is nothing to resume
+                return
             remaining = request.sampling.max_tokens - len(delivered)
             if attempt == max_resumes or not delivered or remaining <= 0:
                 raise
@@ -56,18 +60,6 @@ async def resumable_stream(
                 len(delivered),
                 attempt + 1,
                 max_resumes,
-            )
-        # An unfinished character at the cut is left for the continuation, whose prompt holds its bytes.
-        held = tokenizer.decode(delivered)[len(text) :].rstrip("\ufffd")
-        if held:  # streamed now, so the continuation can pick up exactly where the text stopped
-            text += held
-            yield RequestOutput(
-                request.request_id,
-                held,
-                [],
-                prompt_tokens=len(request.prompt_token_ids),
-                completion_tokens=len(delivered),
-                cached_prompt_tokens=cached,
             )
         seed = request.sampling.seed
         sampling = dataclasses.replace(
@@ -80,4 +72,5 @@ async def resumable_stream(
             request_id=f"{request.request_id}#resume{attempt + 1}",
             prompt_token_ids=[*request.prompt_token_ids, *delivered],
             sampling=sampling,
+            num_resumed_tokens=len(delivered),
         )

@@ -29,8 +29,11 @@ from tenancy import Tenancy
 log = logging.getLogger(__name__)
 
 
-def _read(path: str) -> bytes:
-    return Path(path).read_bytes()
+def _read(path: str, what: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise OSError(f"cannot read the TLS {what} {path}: {exc.strerror or exc}") from None
 
 
 class GatewayServer:
@@ -73,7 +76,18 @@ class GatewayServer:
         server = grpc.aio.server(
             interceptors=[AuthInterceptor(self.path.authenticate)],
             maximum_concurrent_rpcs=s.max_concurrent_streams,
-            options=[("grpc.so_reuseport", 0)],
+            options=[
+                ("grpc.so_reuseport", 0),
+                ("grpc.max_concurrent_streams", s.max_streams_per_connection),
+                ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
+                ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
+                ("grpc.keepalive_permit_without_calls", 1),
+                ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
+                # No connection outlives its longest allowed stream (plus a grace to finish it).
+                ("grpc.max_connection_age_ms", int(s.max_stream_duration_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", int(s.max_stream_duration_s * 1000)),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+            ],
         )
         pb_grpc.add_InferenceServicer_to_server(InferenceService(self.path), server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
@@ -82,8 +96,8 @@ class GatewayServer:
         target = f"{s.host}:{s.port}"
         if s.tls_cert_file and s.tls_key_file:
             creds = grpc.ssl_server_credentials(
-                [(_read(s.tls_key_file), _read(s.tls_cert_file))],
-                root_certificates=_read(s.tls_client_ca_file) if s.tls_client_ca_file else None,
+                [(_read(s.tls_key_file, "key"), _read(s.tls_cert_file, "certificate"))],
+                root_certificates=_read(s.tls_client_ca_file, "client CA") if s.tls_client_ca_file else None,
                 require_client_auth=bool(s.tls_client_ca_file),
             )
             self.port = server.add_secure_port(target, creds)
@@ -106,7 +120,7 @@ class GatewayServer:
             self._stop_metrics()
             raise
         ENGINE.add_source(id(self), self._replica_rows)
-        security = "TLS" if s.tls_cert_file else "plaintext"
+        security = ("mTLS" if s.tls_client_ca_file else "TLS") if s.tls else "plaintext"
         log.info("gateway listening on %s (gRPC, %s)", self.address, security)
         if self.http_address is not None:
             log.info("OpenAI-compatible HTTP on %s (%s)", self.http_address, security)

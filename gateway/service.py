@@ -7,19 +7,22 @@ refusals into gRPC statuses (gateway/grpc_status.py). Every rule lives in the pa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
 
 import grpc
 
 from common import Priority
 from gateway.api import pb, pb_grpc
-from gateway.auth import current_principal
-from gateway.errors import ErrorKind, GatewayError
+from gateway.auth import Undecodable, current_principal
+from gateway.errors import ErrorKind, GatewayError, invalid_argument
 from gateway.grpc_status import abort
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest
 from worker.api import FinishReason, Violation
+
+log = logging.getLogger(__name__)
 
 _PRIORITIES = {
     pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
@@ -87,8 +90,10 @@ class InferenceService(pb_grpc.InferenceServicer):
         self.path = path
 
     async def ListModels(
-        self, request: pb.ListModelsRequest, context: grpc.aio.ServicerContext
+        self, request: pb.ListModelsRequest | Undecodable, context: grpc.aio.ServicerContext
     ) -> pb.ListModelsResponse:
+        if isinstance(request, Undecodable):
+            await abort(context, invalid_argument([("request", request.reason)]))
         return pb.ListModelsResponse(
             models=[
                 pb.ModelInfo(id=m.id, context_length=m.context_length, pool=m.pool)
@@ -97,18 +102,38 @@ class InferenceService(pb_grpc.InferenceServicer):
         )
 
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+        self, request: pb.GenerateRequest | Undecodable, context: grpc.aio.ServicerContext
+    ) -> None:
+        if isinstance(request, Undecodable):
+            err = invalid_argument([("request", request.reason)])
+            self.path.record_refusal(current_principal(), err)
+            await abort(context, err)
         neutral, decode_violations = to_request(request)
+        stalled = False
         deltas = self.path.generate(
             current_principal(),
             neutral,
             decode_violations=decode_violations,
-            ended_early=lambda: _ended_early(context),
+            ended_early=lambda: ErrorKind.DEADLINE_EXCEEDED if stalled else _ended_early(context),
         )
+        stall_s = self.path.settings.stream_stall_timeout_s
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
-                    yield to_response(delta)
+                    # A write waits only once the transport's buffers are full: a client that reads
+                    # nothing for stall_s loses its stream (and its lease, slot and buffered output).
+                    try:
+                        await asyncio.wait_for(context.write(to_response(delta)), stall_s)
+                    except TimeoutError:
+                        stalled = True
+                        break
         except GatewayError as err:
             await abort(context, err)
+        except Exception:  # a bug in translating: INTERNAL, never a traceback or a class name
+            log.exception("Generate failed outside the request path")
+            await abort(context, GatewayError(ErrorKind.INTERNAL, "internal error"))
+        if stalled:
+            await abort(
+                context,
+                GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"the client read nothing for {stall_s:g} s"),
+            )

@@ -3,7 +3,7 @@ environment or constructor arguments; nothing else in Loom reads these variables
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,9 +24,45 @@ class GatewaySettings(BaseSettings):
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = Field(None, description="set to require client certificates (mTLS)")
     drain_grace_s: float = Field(30.0, ge=0)
+    # Bounds on clients, so that one that stops reading or never leaves cannot hold a lease, a
+    # concurrency slot or the gateway's memory: a stream whose client reads nothing for
+    # stream_stall_timeout_s (once the transport's buffers are full) is ended, and none lasts longer
+    # than max_stream_duration_s.
+    stream_stall_timeout_s: float = Field(30.0, gt=0)
+    max_stream_duration_s: float = Field(3600.0, gt=0)
+    max_streams_per_connection: int = Field(
+        128, ge=1, description="HTTP/2 concurrent streams per gRPC connection"
+    )
+    keepalive_time_s: float = Field(30.0, gt=0, description="gRPC keepalive ping interval")
+    keepalive_timeout_s: float = Field(10.0, gt=0, description="a peer that does not answer a ping is gone")
+    idle_timeout_s: float = Field(
+        300.0, gt=0, description="a gRPC connection with no call for this long closes"
+    )
     default_max_tokens: int = Field(256, ge=1)
     max_concurrent_streams: int = Field(4096, ge=1)
     log_prompts: bool = Field(False, description="log prompt text (off: only sizes and ids are logged)")
+
+    @model_validator(mode="after")
+    def _tls_is_whole(self) -> GatewaySettings:
+        """Half a TLS configuration is refused: serving plaintext where TLS was meant is worse than not
+        starting."""
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            given, missing = (
+                ("tls_cert_file", "tls_key_file") if self.tls_cert_file else ("tls_key_file", "tls_cert_file")
+            )
+            raise ValueError(
+                f"{given} is set but {missing} is not: TLS needs both the certificate and its key"
+            )
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError(
+                "tls_client_ca_file (client certificates, mTLS) needs tls_cert_file and tls_key_file: "
+                "the server must speak TLS to check a client's certificate"
+            )
+        return self
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
 
 class ClientSettings(BaseSettings):

@@ -96,6 +96,8 @@ def _banner(address: str, http_address: str | None, demo_key: str | None, tls: b
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from pydantic import ValidationError
+
     from gateway.settings import GatewaySettings
     from tenancy import TenancySettings, bootstrap_embedded
 
@@ -111,7 +113,12 @@ def run(args: argparse.Namespace) -> int:
         "tls_key_file": args.tls_key,
         "tls_client_ca_file": args.tls_client_ca,
     }
-    gateway = GatewaySettings(**{k: v for k, v in flags.items() if v is not None})
+    try:
+        gateway = GatewaySettings(**{k: v for k, v in flags.items() if v is not None})
+    except ValidationError as exc:
+        problems = "; ".join(e["msg"].removeprefix("Value error, ") for e in exc.errors())
+        print(f"loom serve: {problems}", file=sys.stderr)
+        return 2
     if args.no_http:
         gateway = gateway.model_copy(update={"http_port": None})
     demo_key = bootstrap_embedded(tenancy) if tenancy.store == "file" else None

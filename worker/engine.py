@@ -88,7 +88,7 @@ class LLMEngine:
             raise InvalidRequestError("request_id", f"{req.request_id!r} is already running")
         seq = Sequence.from_request(req, self.eos_token_ids)
         self.scheduler.add(seq)
-        self.outputs.add(seq)
+        self.outputs.add(seq, req.num_resumed_tokens)
         self.counters.prompt_tokens += seq.num_prompt_tokens
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:

@@ -28,8 +28,14 @@ class OutputProcessor:
         self._tokenizer = tokenizer
         self._streams: dict[str, _Stream] = {}
 
-    def add(self, seq: Sequence) -> None:
-        detok = IncrementalDetokenizer(self._tokenizer, seq.token_ids, seq.sampling.stop)
+    def add(self, seq: Sequence, num_resumed_tokens: int = 0) -> None:
+        """Start ``seq``'s stream. A resumed stream replays the output its earlier attempt delivered,
+        so the detokenizer is where it was at the cut: what it held back is still held, a character
+        whose first bytes were delivered completes, a stop string spanning the cut is found."""
+        cut = seq.num_tokens - num_resumed_tokens
+        detok = IncrementalDetokenizer(self._tokenizer, seq.token_ids[:cut], seq.sampling.stop)
+        for token in seq.token_ids[cut:]:
+            detok.add(token)  # delivered already: its released text is not released again
         wants_logprobs = seq.sampling.logprobs is not None
         self._streams[seq.request_id] = _Stream(detok, logprobs=[] if wants_logprobs else None)
 

@@ -69,10 +69,19 @@ class GenerationRequest:
     priority: Priority = Priority.STANDARD
     weight: float = 1.0  # the tenant's fair-share weight inside its priority class
     cache_salt: bytes = b""  # prefix-cache isolation: derived per tenant by the gateway
+    # A stream resumed after its replica was lost: the last N prompt tokens are output an earlier
+    # attempt generated and delivered. Text (a character split at the cut, text held back for a stop
+    # string) and stop strings continue from them exactly as an uninterrupted run would.
+    num_resumed_tokens: int = 0
+    # A retry of the request with this engine id, which a replica failed or lost before any output:
+    # the router ranks that replica last.
+    retry_of: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise InvalidRequestError("prompt", "the prompt is empty")
+        if not (0 <= self.num_resumed_tokens < len(self.prompt_token_ids)):
+            raise InvalidRequestError("num_resumed_tokens", "must leave at least one prompt token")
         if not (self.weight > 0):
             raise InvalidRequestError("weight", f"must be > 0, got {self.weight!r}")
 

@@ -33,6 +33,7 @@ ROUTER_CLASS = "worker.serve_router:LoomRequestRouter"
 AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
 AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
 MAX_AFFINITY_ENTRIES = 50_000
+MAX_REMEMBERED_REQUESTS = 10_000  # which replica took each recent request, to steer its retry away
 FAILING_PENALTY = 10.0  # per failed step in a row: behind every healthy replica, however loaded
 
 
@@ -58,11 +59,15 @@ class Candidate:
 
 
 def rank(
-    candidates: list[Candidate], preferred: str | None, tolerance: float = AFFINITY_TOLERANCE
+    candidates: list[Candidate],
+    preferred: str | None,
+    tolerance: float = AFFINITY_TOLERANCE,
+    avoid: str | None = None,
 ) -> list[str]:
-    """Replica ids best first: the prefix's replica if its load is close enough, then by load."""
-    ordered = sorted(candidates, key=lambda c: (c.score, c.replica_id))
-    if preferred is not None and ordered:
+    """Replica ids best first: the prefix's replica if its load is close enough, then by load; the
+    replica to ``avoid`` (it failed this request) last, whatever its load."""
+    ordered = sorted(candidates, key=lambda c: (c.replica_id == avoid, c.score, c.replica_id))
+    if preferred is not None and preferred != avoid and ordered:
         best = ordered[0].score
         for i, c in enumerate(ordered):
             if c.replica_id == preferred and c.score <= best + tolerance:
@@ -87,6 +92,7 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
         self._stats_seen: dict[str, int] = {}
         self._stats: dict[str, EngineStats] = {}
         self._registry = process_registry()
+        self._served_by: OrderedDict[str, str] = OrderedDict()  # recent request id -> its replica
 
     def _deployment_key(self) -> str:
         dep = self._deployment_id
@@ -123,7 +129,8 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
             for rid, r in by_id.items()
         ]
         preferred = self._affinity.get(affinity_key(request)) if request is not None else None
-        return [[by_id[rid]] for rid in rank(scored, preferred)]
+        avoid = self._served_by.get(request.retry_of) if request is not None and request.retry_of else None
+        return [[by_id[rid]] for rid in rank(scored, preferred, avoid=avoid)]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
@@ -131,6 +138,9 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
         request = _request_of(pending_request)
         if request is None:
             return
+        self._served_by[request.request_id] = rid
+        while len(self._served_by) > MAX_REMEMBERED_REQUESTS:
+            self._served_by.popitem(last=False)
         key = affinity_key(request)
         self._affinity[key] = rid
         self._affinity.move_to_end(key)

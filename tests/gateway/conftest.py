@@ -146,7 +146,7 @@ async def start_gateway(
 
 @contextlib.asynccontextmanager
 async def private_gateway(
-    handle: Any, tenancy_settings: TenancySettings, tiny_dir: Path
+    handle: Any, tenancy_settings: TenancySettings, tiny_dir: Path, **settings: Any
 ) -> AsyncIterator[GatewayServer]:
     """A gateway of its own in front of one engine deployment (for tests that break or load it)."""
     tenancy = Tenancy.from_settings(tenancy_settings)
@@ -155,7 +155,7 @@ async def private_gateway(
         [(ServeEnginePool(handle, "shared", process_registry()), load_tokenizer(tiny_dir))]
     )
     server = await GatewayServer(
-        GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog
+        GatewaySettings(**{"port": 0, "http_port": 0, "metrics_port": None, **settings}), tenancy, catalog
     ).start()
     try:
         yield server

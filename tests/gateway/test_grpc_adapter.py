@@ -3,16 +3,21 @@ kinds, and the servicer's protobuf <-> neutral translation."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from common import Priority
 from gateway.api import pb
+from gateway.catalog import ModelCatalog
 from gateway.errors import ErrorKind, GatewayError, from_tenancy, invalid_argument
 from gateway.grpc_status import QUOTA_METADATA, RETRY_AFTER_METADATA, STATUS_CODES, to_status
 from gateway.schema import ChatMessage, Delta, InferenceRequest, Usage
+from gateway.server import GatewayServer
 from gateway.service import to_request, to_response
+from gateway.settings import GatewaySettings
 from tenancy import (
     AuthenticationError,
     ModelNotAllowedError,
@@ -124,3 +129,25 @@ def test_deltas_become_responses_with_usage_on_the_last() -> None:
     assert last.finish_reason == pb.FINISH_REASON_STOP
     usage = last.usage
     assert (usage.prompt_tokens, usage.completion_tokens, usage.cached_prompt_tokens) == (3, 2, 1)
+
+
+@pytest.mark.parametrize(
+    ("fields", "says"),
+    [
+        ({"tls_cert_file": "c.pem"}, "tls_key_file is not"),
+        ({"tls_key_file": "k.pem"}, "tls_cert_file is not"),
+        ({"tls_client_ca_file": "ca.pem"}, "needs tls_cert_file"),
+    ],
+)
+def test_half_a_tls_configuration_refuses_to_start(fields: dict[str, str], says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        GatewaySettings(**fields)
+
+
+async def test_an_unreadable_certificate_is_named(tmp_path: Path) -> None:
+    settings = GatewaySettings(
+        port=0, http_port=None, metrics_port=None, tls_cert_file=str(tmp_path / "no.pem"), tls_key_file="k"
+    )
+    server = GatewayServer(settings, tenancy=None, catalog=ModelCatalog([]))  # type: ignore[arg-type]
+    with pytest.raises(OSError, match="cannot read the TLS"):
+        await server.start()

@@ -67,3 +67,9 @@ def test_a_replica_whose_steps_fail_ranks_behind_a_busy_healthy_one() -> None:
     broken_idle = load_score(replace(_stats(), consecutive_failed_steps=2), Priority.STANDARD, 0)
     ranked = rank([Candidate("broken", broken_idle), Candidate("busy", healthy_busy)], preferred="broken")
     assert ranked == ["busy", "broken"]  # not even prefix affinity brings traffic back to it
+
+
+def test_a_retry_avoids_the_replica_that_failed_it_even_when_it_is_idlest() -> None:
+    candidates = [Candidate("failed", 0.0), Candidate("other", 0.6)]
+    assert rank(candidates, preferred="failed", avoid="failed") == ["other", "failed"]
+    assert rank([Candidate("failed", 0.0)], None, avoid="failed") == ["failed"]  # the only one left
