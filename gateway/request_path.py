@@ -53,7 +53,7 @@ from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
 from gateway.validation import ValidRequest, validate
-from tenancy import Admission, AuthenticationError, Limit, Principal, Tenancy, TenancyError, Tenant
+from tenancy import Admission, AuthenticationError, Limit, Outcome, Principal, Tenancy, TenancyError, Tenant
 from worker.api import (
     LIMITS,
     EngineDeadError,
@@ -258,10 +258,23 @@ class RequestPath:
         """Step 7: one atomic reservation of a request: its prompt once, max_tokens for each of its
         choices, and a lease."""
         request_id = v.request_id
+        n_prompt = len(request.prompt_token_ids)
+        quotas = self.tenancy.admission
+        # The reservation is made in one atomic call that a client's deadline or cancel must not cut
+        # in half: a grant made while the caller was leaving is finished at once, not left charged.
+        admitting = asyncio.ensure_future(
+            quotas.admit(tenant, request_id, n_prompt, request.sampling.max_tokens * v.n)
+        )
         try:
-            admission = await self.tenancy.admission.admit(
-                tenant, request_id, len(request.prompt_token_ids), request.sampling.max_tokens * v.n
-            )
+            admission = await asyncio.shield(admitting)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                late = await admitting
+                if late.granted and not late.duplicate:
+                    await quotas.finish(
+                        tenant, request_id, 0, prompt_tokens=n_prompt, outcome=Outcome.CANCELLED
+                    )
+            raise
         except TenancyError as exc:
             raise from_tenancy(exc) from None
         if not admission.granted:

@@ -386,3 +386,30 @@ def test_the_request_path_imports_no_grpc(neutral_imports: set[str]) -> None:
     assert not {m.split(".")[0] for m in neutral_imports} & transport
     assert not {m for m in neutral_imports if m.startswith("google.rpc")}
     assert not GRPC_SIDE & neutral_imports
+
+
+async def test_a_deadline_during_admission_leaves_nothing_reserved(
+    world: World, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    admission = world.tenancy.admission
+    real_admit = admission.admit
+    admitting = asyncio.Event()
+
+    async def slow_admit(*args: Any, **kwargs: Any) -> Any:
+        granted = await real_admit(*args, **kwargs)  # reserved in the store...
+        admitting.set()
+        await asyncio.sleep(0.2)  # ...but the answer arrives after the caller has left
+        return granted
+
+    monkeypatch.setattr(admission, "admit", slow_admit)
+    task = asyncio.create_task(drain(world.path.generate(world.principal("solo"), ask(max_tokens=50))))
+    await admitting.wait()
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.3)  # the late grant is finished as soon as it lands
+    monkeypatch.setattr(admission, "admit", real_admit)
+    _, prompt, completion, cancelled = world.usage("solo")
+    assert (prompt, completion, cancelled) == (2, 0, 1)  # the prompt as admitted; max_tokens refunded
+    assert world.pool.requests == []  # never dispatched
+    await drain(world.path.generate(world.principal("solo"), ask(max_tokens=2)))  # the only slot is free
