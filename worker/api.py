@@ -25,6 +25,7 @@ from worker.checkpoint import (
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.limits import LIMITS, RequestLimits, Violation, sampling_violations
+from worker.lora import AdapterError, AdapterInfo, LoraRequest, inspect_adapter
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.replica_stats import ReplicaStatsRegistry, process_registry
 from worker.request import (
@@ -41,6 +42,8 @@ from worker.tokenizer import TemplateError, Tokenizer
 
 __all__ = [
     "LIMITS",
+    "AdapterError",
+    "AdapterInfo",
     "AsyncEngine",
     "BlockManager",
     "Checkpoint",
@@ -52,6 +55,7 @@ __all__ = [
     "GenerationRequest",
     "InvalidRequestError",
     "LLMEngine",
+    "LoraRequest",
     "ModelConfig",
     "Priority",
     "ReplicaStatsRegistry",
@@ -69,6 +73,7 @@ __all__ = [
     "UnsupportedModelError",
     "Violation",
     "embedded_model_path",
+    "inspect_adapter",
     "load_checkpoint",
     "load_tokenizer",
     "process_registry",

@@ -37,6 +37,8 @@ class EngineConfig(BaseSettings):
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=2)
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on cpu")
+    max_loras: int = Field(4, ge=0, description="LoRA adapters resident at once (slots); 0 disables LoRA")
+    max_lora_rank: int = Field(64, ge=1, le=64)
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

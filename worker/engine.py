@@ -17,6 +17,7 @@ from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.config import EngineConfig
 from worker.engine_counters import EngineCounters
 from worker.kv_cache import KVCache, blocks_for_budget
+from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
@@ -57,13 +58,19 @@ class LLMEngine:
         self.max_model_len = min(
             config.max_model_len or ckpt.config.max_position_embeddings, self.block_manager.capacity_tokens
         )
+        self.lora = (
+            LoraSlots(ckpt.config, config.max_loras, config.max_lora_rank, self.dtype, self.device)
+            if config.max_loras
+            else None
+        )
         self.scheduler = Scheduler(
             SchedulerConfig(
                 config.max_num_seqs, config.max_num_batched_tokens, config.scheduling, self.max_model_len
             ),
             self.block_manager,
+            gate=self.lora,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.lora)
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters()
@@ -81,6 +88,8 @@ class LLMEngine:
         vocab = self.model_config.vocab_size
         if any(not (0 <= t < vocab) for t in req.prompt_token_ids):
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
+        if req.adapter is not None and self.lora is None:
+            raise InvalidRequestError("model", "this replica serves no LoRA adapters (max_loras is 0)")
 
     def add_request(self, req: GenerationRequest) -> None:
         self.validate(req)
@@ -98,6 +107,9 @@ class LLMEngine:
 
     def _end(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.scheduler.finish(seq, reason)
+        return self._final(seq, reason, error)
+
+    def _final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.counters.finished += 1
         return self.outputs.final(seq, reason, error=error)
 
@@ -111,8 +123,13 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         batch = self.scheduler.schedule()
+        rejected = [
+            self._final(seq, FinishReason.ERROR, reason) for seq, reason in self.scheduler.take_rejected()
+        ]
         if not batch:
-            return []
+            if self.scheduler.has_work() and not rejected:
+                time.sleep(0.002)  # only waiting on adapters being read: do not spin the thread
+            return rejected
         t0 = time.monotonic()
         try:
             result = self.runner.execute(batch)
@@ -125,7 +142,7 @@ class LLMEngine:
         # A row with non-finite logits fails its own request; the rest of the batch goes on.
         failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
         updates = self.scheduler.update_from_output(batch, result.sampled)
-        outputs = failed + self.outputs.process(updates, result.logprobs, self.scheduler)
+        outputs = rejected + failed + self.outputs.process(updates, result.logprobs, self.scheduler)
         self.counters.generated_tokens += len(updates)
         self.counters.finished += sum(1 for o in outputs if o.finished)
         return outputs
@@ -133,7 +150,7 @@ class LLMEngine:
     # ---- stats ---------------------------------------------------------------------------------
 
     def stats(self) -> EngineStats:
-        return self.counters.snapshot(self.scheduler, self.block_manager)
+        return self.counters.snapshot(self.scheduler, self.block_manager, self.lora)
 
     # ---- offline convenience -------------------------------------------------------------------
 

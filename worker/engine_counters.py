@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from common import Priority
 from worker.block_manager import BlockManager
+from worker.lora_slots import LoraSlots
 from worker.scheduler import ScheduledBatch, Scheduler
 from worker.stats import EngineStats
 
@@ -43,7 +44,7 @@ class EngineCounters:
         while self.busy and self.busy[0][1] < t1 - BUSY_WINDOW_S:
             self.busy.popleft()
 
-    def snapshot(self, scheduler: Scheduler, bm: BlockManager) -> EngineStats:
+    def snapshot(self, scheduler: Scheduler, bm: BlockManager, lora: LoraSlots | None = None) -> EngineStats:
         now = time.monotonic()
         window_start = max(self.started, now - BUSY_WINDOW_S)
         busy = sum(min(b, now) - max(a, window_start) for a, b in self.busy if b > window_start)
@@ -67,5 +68,9 @@ class EngineCounters:
             prompt_tokens=self.prompt_tokens,
             generated_tokens=self.generated_tokens,
             consecutive_failed_steps=self.consecutive_failed_steps,
+            max_loras=lora.max_loras if lora is not None else 0,
+            loaded_adapters=lora.resident() if lora is not None else (),
+            running_adapters=lora.running() if lora is not None else (),
+            waiting_adapters=tuple(sorted(scheduler.waiting_adapters())),
             pid=os.getpid(),
         )

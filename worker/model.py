@@ -8,14 +8,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from kernels import (
+    LoraBatch,
     PagedAttentionMetadata,
     apply_rotary,
     build_cos_sin_cache,
+    lora_expand,
+    lora_shrink,
     paged_attention,
     rms_norm,
     silu_and_mul,
@@ -24,6 +28,20 @@ from kernels import (
 from kernels.cpu_kernels import cpu_kernels
 from worker.dense import Dense
 from worker.model_config import ModelConfig
+
+
+class LoraWeights(Protocol):
+    """The resident adapters' stacked weights (worker/lora_slots.py)."""
+
+    scales: torch.Tensor  # fp32 [slots]
+
+    def weights(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor] | None: ...
+
+
+@dataclass
+class LoraStep:
+    batch: LoraBatch  # each token's adapter slot
+    weights: LoraWeights
 
 
 @dataclass
@@ -35,6 +53,7 @@ class ForwardBatch:
     slot_mapping: torch.Tensor  # long [num_tokens]
     attention: PagedAttentionMetadata
     logits_indices: torch.Tensor  # long [num_outputs]: rows whose next-token logits are wanted
+    lora: LoraStep | None = None  # adapters of this step's tokens; None: the base model only
 
 
 @dataclass
@@ -150,6 +169,7 @@ class LlamaModel:
         """Logits ``[len(batch.logits_indices), vocab]`` (fp32) for the requested rows."""
         cfg = self.config
         n = batch.input_ids.shape[0]
+        lora = batch.lora
         h = F.embedding(batch.input_ids, self.embed)
         residual: torch.Tensor | None = None
         for i, layer in enumerate(self.layers):
@@ -159,15 +179,50 @@ class LlamaModel:
             else:
                 h, residual = rms_norm(h, layer.input_norm, cfg.rms_norm_eps, residual)
             qkv = layer.qkv(h)
+            if lora is not None:
+                _add_lora(
+                    lora,
+                    i,
+                    (
+                        ("q_proj", 0, cfg.q_size),
+                        ("k_proj", cfg.q_size, cfg.kv_size),
+                        ("v_proj", cfg.q_size + cfg.kv_size, cfg.kv_size),
+                    ),
+                    h,
+                    qkv,
+                )
             q = qkv[:, : cfg.q_size].view(n, cfg.num_heads, cfg.head_dim)
             k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(n, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(n, cfg.num_kv_heads, cfg.head_dim)
             apply_rotary(batch.positions, q, k, self.cos_sin)
             write_kv(k, v, k_caches[i], v_caches[i], batch.slot_mapping)
             attn = paged_attention(q, k_caches[i], v_caches[i], batch.attention, self.scale)
-            h = layer.o_proj(attn.view(n, cfg.q_size))
+            attn_flat = attn.view(n, cfg.q_size)
+            h = layer.o_proj(attn_flat)
+            if lora is not None:
+                _add_lora(lora, i, (("o_proj", 0, cfg.hidden_size),), attn_flat, h)
             h, residual = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            h = layer.down(silu_and_mul(layer.gate_up(h)))
+            gate_up = layer.gate_up(h)
+            if lora is not None:
+                m = cfg.intermediate_size
+                _add_lora(lora, i, (("gate_proj", 0, m), ("up_proj", m, m)), h, gate_up)
+            act = silu_and_mul(gate_up)
+            h = layer.down(act)
+            if lora is not None:
+                _add_lora(lora, i, (("down_proj", 0, cfg.hidden_size),), act, h)
         h = h[batch.logits_indices]
         h, _ = rms_norm(h, self.norm, cfg.rms_norm_eps, residual[batch.logits_indices])
         return self.lm_head(h).float()
+
+
+def _add_lora(
+    lora: LoraStep, layer: int, targets: tuple[tuple[str, int, int], ...], x: torch.Tensor, y: torch.Tensor
+) -> None:
+    """Add each adapted target's LoRA term to its columns ``[start, start + width)`` of ``y``."""
+    for target, start, width in targets:
+        w = lora.weights.weights(layer, target)
+        if w is not None:
+            a, b = w
+            lora_expand(
+                y[:, start : start + width], lora_shrink(x, a, lora.batch), b, lora.weights.scales, lora.batch
+            )

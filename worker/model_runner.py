@@ -9,7 +9,8 @@ import torch
 
 from kernels import PagedAttentionMetadata
 from worker.kv_cache import KVCache
-from worker.model import ForwardBatch, LlamaModel
+from worker.lora_slots import LoraSlots
+from worker.model import ForwardBatch, LlamaModel, LoraStep
 from worker.request import TokenLogprob
 from worker.sampler import RequestRng, sample, token_logprobs
 from worker.scheduler import ScheduledBatch
@@ -60,15 +61,18 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache) -> None:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, lora: LoraSlots | None = None) -> None:
         self.model = model
         self.kv = kv_cache
+        self.lora = lora
         # A sampled sequence's random stream lives as long as the sequence, and no longer.
         self._rngs: weakref.WeakKeyDictionary[Sequence, RequestRng] = weakref.WeakKeyDictionary()
 
     def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Run one step: the sampled token of every sequence whose chunk reached its end."""
         fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
+        if self.lora is not None and (tokens := self.lora.batch(batch.seqs, batch.num_tokens)) is not None:
+            fb.lora = LoraStep(tokens, self.lora)
         logits = self.model.forward(fb, self.kv.k, self.kv.v)
         sampled_seqs = [
             s

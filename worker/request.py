@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from common import Priority
 from worker.limits import LIMITS, sampling_violations
+from worker.lora import LoraRequest
 
 
 class FinishReason(enum.StrEnum):
@@ -76,6 +77,7 @@ class GenerationRequest:
     # A retry of the request with this engine id, which a replica failed or lost before any output:
     # the router ranks that replica last.
     retry_of: str | None = None
+    adapter: LoraRequest | None = None  # a LoRA adapter over the base model (None: the base model)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

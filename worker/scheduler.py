@@ -22,8 +22,10 @@ scheduler is given (batching_policy.py); it is consulted in two places and nowhe
 
 from __future__ import annotations
 
+import enum
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from common import Priority
 from worker.batching_policy import Admission, BatchingPolicy, SchedulingMode
@@ -31,6 +33,41 @@ from worker.block_manager import BlockManager
 from worker.fair_share import FairShare
 from worker.request import FinishReason
 from worker.sequence import GREEDY, Sequence, SequenceStatus
+
+
+class Gate(enum.Enum):
+    """What an admission gate says about a waiting sequence the scheduler would admit now."""
+
+    READY = "ready"  # admit it (the gate has reserved what it needs, e.g. an adapter slot)
+    WAIT = "wait"  # not yet (an adapter is loading, or every slot is pinned): try other tenants
+    FAILED = "failed"  # never (an adapter that cannot be loaded): the request ends with the reason
+
+
+class AdmissionGate(Protocol):
+    """A resource beyond KV blocks and batch slots that a sequence needs before it runs (LoRA slots).
+
+    The scheduler stays ignorant of what it is: it asks before admitting, and tells the gate when a
+    sequence stops holding its resource (finished, aborted or preempted).
+    """
+
+    def admit(self, seq: Sequence) -> Gate: ...
+
+    def release(self, seq: Sequence) -> None: ...
+
+    def failure(self, seq: Sequence) -> str | None: ...
+
+
+class OpenGate:
+    """No resource beyond blocks and slots: every sequence is ready."""
+
+    def admit(self, seq: Sequence) -> Gate:
+        return Gate.READY
+
+    def release(self, seq: Sequence) -> None:
+        return None
+
+    def failure(self, seq: Sequence) -> str | None:
+        return None
 
 
 @dataclass(frozen=True)
@@ -90,10 +127,14 @@ class _Step:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(
+        self, config: SchedulerConfig, block_manager: BlockManager, gate: AdmissionGate | None = None
+    ) -> None:
         self.config = config
         self.policy = BatchingPolicy.for_mode(config.mode)
         self.bm = block_manager
+        self.gate: AdmissionGate = gate or OpenGate()
+        self._rejected: list[tuple[Sequence, str]] = []  # failed by the gate, for the engine to report
         self.fair = FairShare()
         self.waiting: dict[Priority, dict[str, deque[Sequence]]] = {p: {} for p in Priority}
         self.running: list[Sequence] = []
@@ -154,7 +195,22 @@ class Scheduler:
         else:
             self.running.remove(seq)
         self.bm.free(seq)
+        self.gate.release(seq)
         seq.status = SequenceStatus.FINISHED
+
+    def take_rejected(self) -> list[tuple[Sequence, str]]:
+        """Sequences the gate failed since the last call, with why (they are finished already)."""
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def waiting_adapters(self) -> set[str]:
+        return {
+            s.adapter.id
+            for q in self.waiting.values()
+            for d in q.values()
+            for s in d
+            if s.adapter is not None
+        }
 
     def request_ids(self) -> list[str]:
         return list(self._by_id)
@@ -186,21 +242,26 @@ class Scheduler:
                     break
                 if seq.status in _IN_BATCH and seq not in step.scheduled:
                     self._schedule_running(seq, step)
+            gated: set[str] = set()  # tenants whose next sequence the gate holds back this step
             while admission_open and step.budget > 0:
-                seq = self._next_waiting(prio)
+                seq = self._next_waiting(prio, gated)
                 if seq is None:
                     break
-                if not self._admit(seq, step):
+                admitted = self._admit(seq, step)
+                if admitted is None:
+                    gated.add(seq.tenant)
+                elif not admitted:
                     admission_open = False  # strict classes: nothing lower may take what this one needs
         return ScheduledBatch(
             seqs=list(step.scheduled), num_tokens=list(step.scheduled.values()), preempted=step.preempted
         )
 
-    def _next_waiting(self, prio: Priority) -> Sequence | None:
+    def _next_waiting(self, prio: Priority, skip: set[str] | frozenset[str] = frozenset()) -> Sequence | None:
         queues = self.waiting[prio]
-        if not queues:
+        tenants = [t for t in queues if t not in skip]
+        if not tenants:
             return None
-        tenant = min(queues, key=lambda t: (self.fair.counter(prio, t), queues[t][0].arrival))
+        tenant = min(tenants, key=lambda t: (self.fair.counter(prio, t), queues[t][0].arrival))
         return queues[tenant][0]
 
     def _prefix(self, seq: Sequence) -> list[int] | None:
@@ -237,8 +298,14 @@ class Scheduler:
             n = self._chunk(seq, prefix, step.budget)
         self._take(seq, n, prefix, step)
 
-    def _admit(self, seq: Sequence, step: _Step) -> bool:
-        """Move the head of a waiting queue into the batch, preempting lower classes if they block it."""
+    def _admit(self, seq: Sequence, step: _Step) -> bool | None:
+        """Move the head of a waiting queue into the batch, preempting lower classes if they block it.
+
+        False: no room (blocks or batch slots); None: the gate holds it back (other tenants may go).
+        The gate is asked first, so nothing is preempted for a sequence that could not run anyway.
+        """
+        if not self._passes_gate(seq):
+            return None
         while True:
             prefix = self._prefix(seq)
             n = self._chunk(seq, prefix, step.budget)
@@ -248,6 +315,7 @@ class Scheduler:
             lower = [s for s in self.running if s.priority > seq.priority]
             victim = max(lower, key=self._preempt_key, default=None)
             if victim is None:
+                self.gate.release(seq)  # it keeps waiting; its adapter slot is not held meanwhile
                 return False
             self._preempt(victim, step)
         self._dequeue(seq)
@@ -255,6 +323,14 @@ class Scheduler:
         self.running.append(seq)
         self._take(seq, n, prefix, step)
         return True
+
+    def _passes_gate(self, seq: Sequence) -> bool:
+        verdict = self.gate.admit(seq)
+        if verdict is Gate.FAILED:
+            reason = self.gate.failure(seq) or "the request cannot run on this replica"
+            self.finish(seq, FinishReason.ERROR)
+            self._rejected.append((seq, reason))
+        return verdict is Gate.READY
 
     def _admit_cohort(self) -> None:
         """Static mode: fill the batch from the queues, with the blocks of every member's prompt free."""
@@ -267,6 +343,8 @@ class Scheduler:
                 need = -(-seq.num_tokens // self.bm.block_size)
                 if need > room and self.running:
                     return
+                if not self._passes_gate(seq):
+                    return  # a cohort forms from ready requests only; the rest join the next one
                 room -= need
                 self._dequeue(seq)
                 seq.status = SequenceStatus.RUNNING
@@ -286,6 +364,7 @@ class Scheduler:
             return
         self.running.remove(seq)
         self.bm.free(seq)
+        self.gate.release(seq)
         seq.num_computed_tokens = 0
         seq.num_preemptions += 1
         self.num_preemptions += 1

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common import Priority
+from worker.lora import LoraRequest
 from worker.request import FinishReason, GenerationRequest, SamplingParams
 
 _arrivals = itertools.count()
@@ -38,6 +39,7 @@ class Sequence:
     weight: float
     cache_salt: bytes
     stop_token_ids: frozenset[int] = frozenset()  # end-of-sequence (unless ignore_eos) and stop ids
+    adapter: LoraRequest | None = None
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -54,6 +56,11 @@ class Sequence:
         stop = set(params.stop_token_ids)
         if not params.ignore_eos:
             stop.update(eos_token_ids)
+        # An adapter changes every K/V it touches: its prefix-cache entries are its own, never the
+        # base model's or another adapter's.
+        salt = (
+            req.cache_salt if req.adapter is None else req.cache_salt + b"\x00lora:" + req.adapter.id.encode()
+        )
         return cls(
             request_id=req.request_id,
             token_ids=list(req.prompt_token_ids),
@@ -62,8 +69,9 @@ class Sequence:
             tenant=req.tenant,
             priority=req.priority,
             weight=req.weight,
-            cache_salt=req.cache_salt,
+            cache_salt=salt,
             stop_token_ids=frozenset(stop),
+            adapter=req.adapter,
         )
 
     @property

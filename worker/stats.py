@@ -35,6 +35,10 @@ class EngineStats:
     generated_tokens: int = 0
     consecutive_failed_steps: int = 0  # forward passes failing in a row: a replica that cannot serve
     pid: int = 0  # the process the engine runs in
+    max_loras: int = 0  # adapter slots
+    loaded_adapters: tuple[str, ...] = ()  # resident in a slot (the router prefers these replicas)
+    running_adapters: tuple[str, ...] = ()  # pinned by running requests
+    waiting_adapters: tuple[str, ...] = ()  # wanted by waiting requests
 
     @property
     def kv_cache_usage(self) -> float:
@@ -64,4 +68,6 @@ class EngineStats:
         values = {k: v for k, v in d.items() if k in names}
         values["running"] = {Priority(p): n for p, n in (d.get("running") or {}).items()}
         values["waiting"] = {Priority(p): n for p, n in (d.get("waiting") or {}).items()}
+        for name in ("loaded_adapters", "running_adapters", "waiting_adapters"):
+            values[name] = tuple(d.get(name) or ())
         return cls(**values)

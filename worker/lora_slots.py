@@ -1,0 +1,161 @@
+"""A replica's adapter slots: a bounded set of LoRA adapters resident on the device, loaded on demand.
+
+Weights live stacked per adapted projection, ``A [slots, max_rank, in]`` and ``B [slots, out,
+max_rank]`` (allocated the first time an adapter needs that projection), so one step can mix every
+resident adapter (kernels/lora.py). The scheduler asks this table, through its admission gate, whether
+a sequence may run: a resident adapter is pinned while sequences use it; a missing one is read from
+disk on a background thread while its requests wait (they never fail for waiting); once read it takes a
+free slot, or the least recently used slot no running sequence pins. An adapter whose files cannot be
+read fails its requests with the reason.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import time
+from collections import OrderedDict
+
+import torch
+
+from kernels import LoraBatch
+from worker.lora import LoadedAdapter, LoraRequest, load_adapter, target_shape
+from worker.model_config import ModelConfig
+from worker.scheduler import Gate
+from worker.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class LoraSlots:
+    def __init__(
+        self,
+        config: ModelConfig,
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.config = config
+        self.max_loras = max_loras
+        self.max_rank = max_rank
+        self.dtype = dtype
+        self.device = device
+        self._a: dict[tuple[int, str], torch.Tensor] = {}
+        self._b: dict[tuple[int, str], torch.Tensor] = {}
+        self.scales = torch.zeros(max_loras, dtype=torch.float32, device=device)
+        self._slot_of: dict[str, int] = {}
+        self._resident: list[str | None] = [None] * max_loras
+        self._covers: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
+        self._pins = [0] * max_loras
+        self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # unpinned
+        self._holder: dict[str, int] = {}  # request id -> the slot it pins
+        self._loads: dict[str, concurrent.futures.Future[LoadedAdapter]] = {}
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
+        self.load_seconds: list[float] = []  # how long each adapter took to read, for benchmarks
+
+    # ---- the scheduler's gate ------------------------------------------------------------------
+
+    def admit(self, seq: Sequence) -> Gate:
+        adapter = seq.adapter
+        if adapter is None:
+            return Gate.READY
+        slot = self._slot_of.get(adapter.id)
+        if slot is None:
+            slot_or_gate = self._install(adapter)
+            if isinstance(slot_or_gate, Gate):
+                return slot_or_gate
+            slot = slot_or_gate
+        if self._pins[slot] == 0:
+            self._lru.pop(slot, None)
+        self._pins[slot] += 1
+        self._holder[seq.request_id] = slot
+        return Gate.READY
+
+    def release(self, seq: Sequence) -> None:
+        slot = self._holder.pop(seq.request_id, None)
+        if slot is None:
+            return
+        self._pins[slot] -= 1
+        if self._pins[slot] == 0:
+            self._lru[slot] = None  # most recently used: evicted last
+
+    def failure(self, seq: Sequence) -> str | None:
+        """Why ``seq``'s adapter could not be loaded (after ``admit`` returned FAILED)."""
+        load = self._loads.get(seq.adapter.id) if seq.adapter is not None else None
+        if load is None or not load.done() or load.exception() is None:
+            return None
+        return f"adapter could not be loaded: {load.exception()}"
+
+    def _install(self, adapter: LoraRequest) -> int | Gate:
+        load = self._loads.get(adapter.id)
+        if load is None:
+            started = time.monotonic()
+            load = self._pool.submit(load_adapter, adapter.path, self.config, self.max_rank)
+            load.add_done_callback(lambda _f: self.load_seconds.append(time.monotonic() - started))
+            self._loads[adapter.id] = load
+            return Gate.WAIT
+        if not load.done():
+            return Gate.WAIT
+        if load.exception() is not None:
+            return Gate.FAILED
+        if not self._lru:  # every slot is pinned by running sequences: wait for one to finish
+            return Gate.WAIT
+        slot, _ = self._lru.popitem(last=False)
+        self._lru[slot] = None  # admit() takes it off again as it pins
+        self._put(slot, adapter.id, load.result())
+        del self._loads[adapter.id]  # read once; the resident copy is the one that counts now
+        return slot
+
+    def _put(self, slot: int, adapter_id: str, loaded: LoadedAdapter) -> None:
+        old = self._resident[slot]
+        if old is not None:
+            del self._slot_of[old]
+            log.info("adapter %s evicted from slot %d", old, slot)
+        for key in self._covers[slot]:  # a smaller adapter must not inherit the old one's rows
+            self._a[key][slot].zero_()
+            self._b[key][slot].zero_()
+        for (layer, target), (a, b) in loaded.weights.items():
+            sa, sb = self._stacks(layer, target)
+            sa[slot, : loaded.rank].copy_(a.to(self.dtype))
+            sb[slot, :, : loaded.rank].copy_(b.to(self.dtype))
+        self._covers[slot] = set(loaded.weights)
+        self.scales[slot] = loaded.scale
+        self._resident[slot] = adapter_id
+        self._slot_of[adapter_id] = slot
+
+    def _stacks(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (layer, target)
+        if key not in self._a:
+            out_f, in_f = target_shape(self.config, target)
+            shape_a, shape_b = (self.max_loras, self.max_rank, in_f), (self.max_loras, out_f, self.max_rank)
+            self._a[key] = torch.zeros(shape_a, dtype=self.dtype, device=self.device)
+            self._b[key] = torch.zeros(shape_b, dtype=self.dtype, device=self.device)
+        return self._a[key], self._b[key]
+
+    # ---- the forward pass ----------------------------------------------------------------------
+
+    def batch(self, seqs: list[Sequence], num_tokens: list[int]) -> LoraBatch | None:
+        """Each token's slot for one step; None when no sequence of the step uses an adapter."""
+        if not self._holder:
+            return None
+        slots: list[int] = []
+        for seq, n in zip(seqs, num_tokens, strict=True):
+            slots += [self._holder.get(seq.request_id, -1)] * n
+        batch = LoraBatch.build(slots, self.device)
+        return batch if batch.active else None
+
+    def weights(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        key = (layer, target)
+        return (self._a[key], self._b[key]) if key in self._a else None
+
+    # ---- what replicas publish -----------------------------------------------------------------
+
+    def resident(self) -> tuple[str, ...]:
+        return tuple(a for a in self._resident if a is not None)
+
+    def running(self) -> tuple[str, ...]:
+        return tuple(a for s, a in enumerate(self._resident) if a is not None and self._pins[s] > 0)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
