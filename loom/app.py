@@ -28,6 +28,9 @@ class PoolSpec(BaseModel):
     max_replicas: int = Field(1, ge=1)
     num_cpus: float = Field(1.0, gt=0)
     num_gpus: float = Field(0.0, ge=0)
+    # Ray custom resources each replica needs, e.g. {"loom_engine": 1}: only nodes started with them
+    # (the engine worker group on KubeRay) take replicas, as GPUs would place them.
+    resources: dict[str, float] = Field(default_factory=dict)
     engine: EngineConfig = Field(default_factory=EngineConfig)
 
     @property
@@ -46,6 +49,7 @@ def engine_app(pool: PoolSpec) -> serve.Application:
         autoscale=pool.autoscale,
         num_cpus=pool.num_cpus,
         num_gpus=pool.num_gpus,
+        resources=pool.resources or None,
     )
 
 
@@ -83,7 +87,8 @@ def gateway_app(
 
 def build_app(args: dict[str, Any]) -> serve.Application:
     """RayService entry point. ``args``: {"pools": [PoolSpec fields...], "gateway_replicas": n,
-    "gateway_resources": {"loom_gateway": 1}}; gateway and tenancy settings come from the
+    "gateway_resources": {"loom_gateway": 1}} (a pool's ``resources``, e.g. {"loom_engine": 1}, place
+    its replicas on the engine nodes); gateway and tenancy settings come from the
     LOOM_GATEWAY_* / LOOM_TENANCY_* environment variables of the pods."""
     pools = [PoolSpec(**p) for p in args.get("pools", [{}])]
     return gateway_app(

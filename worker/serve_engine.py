@@ -95,6 +95,7 @@ def engine_deployment(
     max_replicas: int = 1,
     num_cpus: float = 1.0,
     num_gpus: float = 0.0,
+    resources: dict[str, float] | None = None,
     autoscale: bool = False,
     target_ongoing_requests: float = 64.0,
 ) -> serve.Application:
@@ -102,11 +103,16 @@ def engine_deployment(
 
     With ``autoscale``, replicas are added when their ongoing requests exceed
     ``target_ongoing_requests`` on average (a replica's batch size is the natural unit).
+    ``resources`` (Ray custom resources, e.g. ``{"loom_engine": 1}``) pin replicas to the nodes that
+    offer them: on KubeRay, the engine worker pods, never the head or the gateway pods.
     """
+    actor_options: dict[str, Any] = {"num_cpus": num_cpus, "num_gpus": num_gpus}
+    if resources:
+        actor_options["resources"] = dict(resources)
     options: dict[str, Any] = dict(
         name=name,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
-        ray_actor_options={"num_cpus": num_cpus, "num_gpus": num_gpus},
+        ray_actor_options=actor_options,
         request_router_config=RequestRouterConfig(
             request_router_class=ROUTER_CLASS,
             request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
