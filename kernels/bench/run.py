@@ -6,6 +6,8 @@ Three modes:
   its reference on the GPU, time it with ``triton.testing.do_bench`` (median), and report achieved
   memory bandwidth against a measured device-to-device copy. Decode attention is timed single-pass
   and split-KV; prefill attention also against ``torch.nn.functional.scaled_dot_product_attention``.
+  Multi-LoRA shrink/expand are timed at decode batches (one adapter per token, mixed) and a prefill
+  chunk (one adapter), against the torch reference (grouped GEMMs) as the eager baseline.
   Writes ``results.json`` and ``results.md`` into ``--out`` and prints a short Markdown table last.
 * ``--dry-run``: the same code path on tiny shapes through the Triton interpreter on CPU (timings
   are meaningless); shows that the script runs before a GPU is spent on it.
@@ -60,11 +62,15 @@ class Plan:
     elementwise_tokens: tuple[int, ...]
     max_context: int
     check_cap_tokens: int  # check attention against the reference up to batch * context tokens
+    lora_decode: tuple[int, ...] = ()  # decode batches for LoRA (tokens on mixed adapters)
+    lora_prefill: int = 0  # one prefill chunk on one adapter (0: none)
+    lora_ranks: tuple[int, ...] = ()
 
 
 FULL = Plan((1, 8, 32, 64, 128, 256), (512, 2048, 8192), (512, 1024, 2048, 4096), (2048, 64, 2048),
-            (256, 4096), 8192, 1 << 20)  # fmt: skip
-DRY = Plan((1, 3), (40,), (24,), (8, 2, 20), (5,), 64, 1 << 20)
+            (256, 4096), 8192, 1 << 20, (1, 16, 64, 256), 2048, (16, 64))  # fmt: skip
+DRY = Plan((1, 3), (40,), (24,), (8, 2, 20), (5,), 64, 1 << 20, (1, 5), 20, (4, 16))
+LORA_SLOTS = 16  # adapters loaded per replica
 
 
 @dataclass
@@ -378,6 +384,83 @@ def _bench_silu(b: Bench, m: ModelShape, plan: Plan, t: int) -> None:
     _timed(b, "silu_and_mul", m, t, tri, ref, 3 * t * m.intermediate * b.elem, err)
 
 
+# -- multi-LoRA -------------------------------------------------------------------------------
+
+
+def lora_cases(plan: Plan) -> list[tuple[int, str]]:
+    """(tokens, label): decode batches whose tokens use random adapters (some none), then a prefill
+    chunk whose tokens all use one adapter (one request's chunk)."""
+    cases = [(t, "mixed") for t in plan.lora_decode]
+    return cases + ([(plan.lora_prefill, "1 adapter")] if plan.lora_prefill else [])
+
+
+def lora_slots(t: int, label: str) -> list[int]:
+    if label != "mixed":
+        return [5] * t
+    gen = torch.Generator().manual_seed(4 + t)
+    return torch.randint(-1, LORA_SLOTS, (t,), generator=gen).tolist()  # about 1 in 17 without one
+
+
+def lora_weights(b: Bench, d_in: int, d_out: int, rank: int) -> tuple[torch.Tensor, ...]:
+    """Stacked ``A``/``B`` scaled so that ``h`` and the added delta are O(1) like ``x`` and ``y``."""
+    a = b.randn(LORA_SLOTS, rank, d_in) * d_in**-0.5
+    bw = b.randn(LORA_SLOTS, d_out, rank) * rank**-0.5
+    scales = torch.rand(LORA_SLOTS, generator=b.gen, device=b.device) + 0.5
+    return a, bw, scales
+
+
+def bench_lora(b: Bench, m: ModelShape, plan: Plan, summary: bool) -> None:
+    """Shrink (hidden -> rank) and expand (rank -> q columns of a fused qkv output, in place).
+
+    Bytes count what must move once: activations, the weights of the adapters present, ``h`` (fp32).
+    ``extra["base_gemm_ms"]`` is the q projection itself (``x @ W.T``) at the same token count, to
+    read the LoRA cost against.
+    """
+    from kernels.lora import LoraBatch, lora_expand_ref, lora_shrink_ref
+    from kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+
+    d_in, d_out = m.hidden, m.heads * m.head_dim
+    qkv_cols = (m.heads + 2 * m.kv_heads) * m.head_dim
+    for t, label in lora_cases(plan):
+        if b.out_of_time():
+            continue
+        slots = lora_slots(t, label)
+        batch = LoraBatch.build(slots, device=b.device)
+        used = len(batch.groups)
+        live = sum(s >= 0 for s in slots)
+        x = b.randn(t, d_in)
+        w = b.randn(d_out, d_in) * d_in**-0.5
+        base_ms = b.time_ms(partial(torch.matmul, x, w.t()))
+        for rank in plan.lora_ranks:
+            if b.out_of_time():
+                continue
+            a, bw, scales = lora_weights(b, d_in, d_out, rank)
+            extra = {"tokens": t, "rank": rank, "adapters": used, "base_gemm_ms": base_ms, "summary": summary}
+            shape = f"tokens={t} r={rank}"
+            tri = partial(lora_shrink_triton, x, a, batch.token_slots)
+            ref = partial(lora_shrink_ref, x, a, batch)
+            h, h_ref = tri(), ref()
+            nbytes = (t * d_in + used * rank * d_in) * b.elem + t * rank * 4
+            row = Row("lora_shrink", m.name, shape, label, b.time_ms(tri), nbytes, err=rel_err(h, h_ref))
+            row.baseline_ms, row.tflops = b.time_ms(ref), 2.0 * live * rank * d_in / row.ms / 1e9
+            row.extra = dict(extra)
+            b.add(row)
+
+            qkv = b.randn(t, qkv_cols)
+            y_tri, y_ref = qkv.clone(), qkv.clone()
+            lora_expand_triton(y_tri[:, :d_out], h_ref, bw, scales, batch.token_slots)
+            lora_expand_ref(y_ref[:, :d_out], h_ref, bw, scales, batch)
+            err = rel_err(y_tri, y_ref)
+            y = y_tri[:, :d_out]  # timed in place: every call adds the delta again, the cost is the same
+            tri = partial(lora_expand_triton, y, h_ref, bw, scales, batch.token_slots)
+            ref = partial(lora_expand_ref, y_ref[:, :d_out], h_ref, bw, scales, batch)
+            nbytes = 2 * live * d_out * b.elem + used * d_out * rank * b.elem + t * rank * 4
+            row = Row("lora_expand", m.name, shape, label, b.time_ms(tri), nbytes, err=err)
+            row.baseline_ms, row.tflops = b.time_ms(ref), 2.0 * live * rank * d_out / row.ms / 1e9
+            row.extra = dict(extra)
+            b.add(row)
+
+
 # -- output -----------------------------------------------------------------------------------
 
 
@@ -408,6 +491,12 @@ def decode_target(rows: list[Row]) -> float | None:
     return min(pct) if pct else None
 
 
+def _lora_summary(r: Row, plan: Plan) -> bool:
+    """LoRA rows of the summary model at the largest decode batch and the prefill chunk."""
+    big = (max(plan.lora_decode, default=0), plan.lora_prefill)
+    return r.kernel.startswith("lora_") and r.extra["summary"] and r.extra["tokens"] in big
+
+
 def summary_rows(rows: list[Row], plan: Plan) -> list[Row]:
     """A short selection: decode at batch 1/32/max on the longest context, biggest prefill, element-wise."""
     big_ctx, big_t = max(plan.decode_contexts), max(plan.elementwise_tokens)
@@ -417,7 +506,7 @@ def summary_rows(rows: list[Row], plan: Plan) -> list[Row]:
         if _auto_decode(r):
             if r.extra["ctx"] == big_ctx and r.extra["batch"] in batches:
                 picked.append(r)
-        elif r.shape in (f"prefill={max(plan.prefill_lens)}", f"tokens={big_t}"):
+        elif r.shape in (f"prefill={max(plan.prefill_lens)}", f"tokens={big_t}") or _lora_summary(r, plan):
             picked.append(r)
     return picked
 
@@ -540,8 +629,12 @@ def compile_only(arch: int, quick: bool) -> int:
     ta._gpu_tuned = lambda q: True  # pick the GPU tile shapes and tensor-core dots
     sms = 132
     ta.num_programs_hint = lambda device: sms
+    import kernels.triton_lora as tlora
+
+    tlora._gpu_tuned = lambda t: True
+    tlora.num_programs_hint = lambda device: sms
     b = Bench("cpu", torch.bfloat16, 16, budget_s=1e9)
-    plan = Plan((1, 3), (520,), (300,), (130, 3, 600), (5,), 1024, 0)
+    plan = Plan((1, 3), (520,), (300,), (130, 3, 600), (5,), 1024, 0, (1, 64), 600, (16, 64))
     with capture_launches() as launches:
         for dtype in (torch.bfloat16,) if quick else (torch.bfloat16, torch.float16, torch.float32):
             b.dtype = dtype
@@ -619,6 +712,21 @@ def _drive_wrappers(b: Bench, m: ModelShape, plan: Plan, sms: int, sweep: bool) 
         torch.arange(t), b.randn(t, m.heads, m.head_dim), b.randn(t, m.kv_heads, m.head_dim), cos_sin
     )
     silu_and_mul_triton(b.randn(t, 2 * m.intermediate))
+    _drive_lora(b, m, plan)
+
+
+def _drive_lora(b: Bench, m: ModelShape, plan: Plan) -> None:
+    """LoRA launches at every token count and rank the benchmark uses (tile shapes depend on both)."""
+    from kernels.triton_lora import lora_expand_triton, lora_shrink_triton
+
+    d_in, d_out = m.hidden, m.heads * m.head_dim
+    for t, label in lora_cases(plan):
+        slots = torch.tensor(lora_slots(t, label), dtype=torch.int32)
+        x, y = b.randn(t, d_in), b.randn(t, d_out + 64)[:, :d_out]
+        for rank in plan.lora_ranks:
+            a, bw, scales = lora_weights(b, d_in, d_out, rank)
+            h = lora_shrink_triton(x, a, slots)  # recorded, not run: h is just a buffer of the right shape
+            lora_expand_triton(y, h, bw, scales, slots)
 
 
 # -- main -------------------------------------------------------------------------------------
@@ -669,6 +777,7 @@ def main(argv: list[str] | None = None) -> int:
         bench_decode(b, m, plan, sms)
         bench_prefill(b, m, plan)
         bench_elementwise(b, m, plan)
+        bench_lora(b, m, plan, summary=m is models[-1])
     if not args.no_sweep and device == "cuda":
         sweep_decode(b, MODELS[-1], 64, 4096)
     env = environment(b, sms)
