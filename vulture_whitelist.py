@@ -33,3 +33,22 @@ ray_serve  # tests/gateway/conftest.py
 
 # Stored fields of tenancy records, written by the stores and shown by `loom admin`.
 updated_at  # tenancy.models.Tenant
+added_at  # tenancy.models.AdapterRecord
+
+# FastAPI routes (registered by decorator) and uvicorn attributes the HTTP front sets.
+chat_completions  # gateway.http_front
+install_signal_handlers  # uvicorn.Server
+should_exit  # uvicorn.Server
+
+# Fields of OpenAI response bodies (gateway/openai_schema.py): serialized for clients, never read here.
+cached_tokens
+prompt_tokens_details
+text_offset
+owned_by
+
+# pydantic validators, called by pydantic (continued).
+_tls_is_whole  # gateway.settings.GatewaySettings
+
+# pytest fixtures requested by name (continued).
+folder_ray  # tests/faults/conftest.py
+nan_buffers  # tests/kernels/test_triton_lora.py

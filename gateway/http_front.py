@@ -27,6 +27,7 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 
 from gateway.errors import ErrorKind, GatewayError, invalid_argument
 from gateway.openai_schema import (
@@ -525,11 +526,14 @@ async def _read_body(request: Request) -> bytes:
         raise invalid_argument([("body", f"is {declared} bytes; the limit is {MAX_BODY_BYTES}")])
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_BODY_BYTES:
-            raise invalid_argument([("body", f"is over the limit of {MAX_BODY_BYTES} bytes")])
-        chunks.append(chunk)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > MAX_BODY_BYTES:
+                raise invalid_argument([("body", f"is over the limit of {MAX_BODY_BYTES} bytes")])
+            chunks.append(chunk)
+    except ClientDisconnect:  # the client left while sending its body: not a server error
+        raise GatewayError(ErrorKind.CANCELLED, "the client went away") from None
     return b"".join(chunks)
 
 

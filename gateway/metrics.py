@@ -7,6 +7,7 @@ tenancy package's); the engine collector is registered per running gateway.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -78,6 +79,14 @@ class EngineCollector(Collector):
         waiting = GaugeMetricFamily(
             "loom:num_requests_waiting", "Requests queued in the engine.", labels=[*labels, "priority"]
         )
+        # vLLM's shape, so inference-aware routers can read it: the value is a timestamp, the news is
+        # in the labels (comma-separated adapter ids).
+        lora = GaugeMetricFamily(
+            "loom:lora_requests_info",
+            "LoRA adapters running and waiting on each replica.",
+            labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
+        )
+        now = time.time()
         seen: set[tuple[str, str, str]] = set()
         for source in list(self._sources.values()):
             for pool, model, replica, s in source():
@@ -89,7 +98,10 @@ class EngineCollector(Collector):
                     families[name].add_metric(key, float(value(s)))
                 for prio, n in s.waiting.items():
                     waiting.add_metric([*key, prio.value], float(n))
-        yield from (*families.values(), waiting)
+                if s.max_loras:
+                    adapters = [str(s.max_loras), ",".join(s.running_adapters), ",".join(s.waiting_adapters)]
+                    lora.add_metric([*key, *adapters], now)
+        yield from (*families.values(), waiting, lora)
 
 
 # (name, kind, help, value): the per-replica engine series, under vLLM's names where they mean the

@@ -60,6 +60,7 @@ from worker.api import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    LoraRequest,
     RequestOutput,
     SamplingParams,
     TemplateError,
@@ -119,11 +120,21 @@ class RequestPath:
         REQUESTS.labels(principal.tenant.id, "unknown", err.kind.name).inc()
 
     def list_models(self, principal: Principal) -> list[ServedModel]:
-        """The models this caller may use, in the pool that serves its tenant."""
-        return [
-            ServedModel(r.model, r.context_length, r.pool.name)
-            for r in self.catalog.visible_to(principal.tenant)
+        """The models this caller may use, in the pool that serves its tenant: the base models, then
+        the tenant's own adapters over them (``<base>:<adapter>``; nobody else sees those)."""
+        tenant = principal.tenant
+        bases = [ServedModel(r.model, r.context_length, r.pool.name) for r in self.catalog.visible_to(tenant)]
+        by_name = {m.id: m for m in bases}
+        adapters = [
+            ServedModel(
+                f"{rec.base_model}:{name}",
+                by_name[rec.base_model].context_length,
+                by_name[rec.base_model].pool,
+            )
+            for name, rec in sorted(tenant.adapters.items())
+            if rec.base_model in by_name
         ]
+        return bases + adapters
 
     async def generate(
         self,
@@ -146,10 +157,10 @@ class RequestPath:
         call = _Call(tenant.id, time.monotonic())
         try:
             valid = validate(request, decode_violations)
-            route = self._route(tenant, valid.model)
+            route, adapter = self._route(tenant, valid.model)
             prompt_ids = await self._tokenize(route.tokenizer, valid)
             sampling = self._size(tenant, valid, route, len(prompt_ids))
-            engine_request = self._tag(tenant, valid, prompt_ids, sampling)
+            engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
             call.priority = engine_request.priority.value
             admission = await self._admit(tenant, valid, engine_request)
             deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)
@@ -181,11 +192,22 @@ class RequestPath:
         except TenancyError as exc:
             raise from_tenancy(exc) from None
 
-    def _route(self, tenant: Tenant, model: str) -> ModelRoute:
+    def _route(self, tenant: Tenant, model: str) -> tuple[ModelRoute, LoraRequest | None]:
         """Step 3: status and model access (PERMISSION_DENIED) before the model's existence, so a
-        suspended tenant learns nothing about what is deployed."""
+        suspended tenant learns nothing about what is deployed.
+
+        ``<base>:<adapter>`` names one of the tenant's own LoRA adapters over a served base model;
+        anyone else's adapter is refused exactly as a model that does not exist is.
+        """
         self._check(tenant, model, prompt_tokens=0, max_tokens=1)
-        return self.catalog.route(tenant, model)
+        if ":" not in model:
+            return self.catalog.route(tenant, model), None
+        found = tenant.adapter(model)
+        if found is None:
+            return self.catalog.route(tenant, model), None  # NOT_FOUND, worded as for any unknown model
+        name, record = found
+        route = self.catalog.route(tenant, record.base_model)
+        return route, LoraRequest(record.engine_id(tenant.id, name), record.path)
 
     async def _tokenize(self, tokenizer: Tokenizer, v: ValidRequest) -> list[int]:
         """Step 4: token ids, counted here so admission reserves exact prompt tokens before any
@@ -240,7 +262,12 @@ class RequestPath:
             raise invalid_argument([(exc.field, exc.detail)]) from None
 
     def _tag(
-        self, tenant: Tenant, v: ValidRequest, prompt_ids: list[int], sampling: SamplingParams
+        self,
+        tenant: Tenant,
+        v: ValidRequest,
+        prompt_ids: list[int],
+        sampling: SamplingParams,
+        adapter: LoraRequest | None = None,
     ) -> GenerationRequest:
         """Step 6: what the engine schedules by. The engine's request id is scoped by tenant, so two
         tenants' ids never collide in a replica."""
@@ -252,6 +279,7 @@ class RequestPath:
             priority=tenant.effective_priority(v.priority),
             weight=tenant.weight,
             cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
+            adapter=adapter,
         )
 
     async def _admit(self, tenant: Tenant, v: ValidRequest, request: GenerationRequest) -> Admission:

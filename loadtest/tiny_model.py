@@ -116,3 +116,46 @@ def save_hf_dir(ckpt: Checkpoint, path: Path) -> Path:
     tok_cfg = {"chat_template": ckpt.tokenizer.chat_template, **ckpt.tokenizer.special_tokens}
     (path / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
     return path
+
+
+def save_random_adapter(
+    config: ModelConfig,
+    path: Path,
+    *,
+    rank: int = 8,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    seed: int = 0,
+    alpha: float | None = None,
+    magnitude: float = 1.0,
+) -> Path:
+    """Write a random LoRA adapter for ``config`` in the PEFT format (``adapter_config.json`` and
+    ``adapter_model.safetensors`` with PEFT's tensor names), with non-zero A and B so it changes the
+    model's output. ``magnitude`` scales B: larger departs further from the base model."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from worker.api import target_shape
+
+    g = torch.Generator().manual_seed(seed)
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(config.num_layers):
+        for target in targets:
+            out_f, in_f = target_shape(config, target)
+            group = "mlp" if target in ("gate_proj", "up_proj", "down_proj") else "self_attn"
+            prefix = f"base_model.model.model.layers.{layer}.{group}.{target}"
+            tensors[f"{prefix}.lora_A.weight"] = torch.randn(rank, in_f, generator=g) / in_f**0.5
+            tensors[f"{prefix}.lora_B.weight"] = magnitude * torch.randn(out_f, rank, generator=g) / rank**0.5
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+    adapter_config = {
+        "peft_type": "LORA",
+        "r": rank,
+        "lora_alpha": alpha if alpha is not None else rank,
+        "target_modules": list(targets),
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "base_model_name_or_path": "tiny-random",
+    }
+    (path / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2))
+    return path

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tenancy.errors import StoreUnavailableError, TenancyError
-from tenancy.models import Priority, Tenant, TenantStatus, parse_tenant, utcnow
+from tenancy.models import AdapterRecord, Priority, Tenant, TenantStatus, parse_tenant, utcnow
 from tenancy.settings import TenancySettings
 from tenancy.store import TenantAdmin, default_actor
 from tenancy.store_file import FileTenantStore
@@ -142,6 +142,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("key_id")
     p.add_argument("--grace", type=parse_duration, default=3600.0)
 
+    adapter = groups.add_parser("adapter", help="a tenant's LoRA adapters").add_subparsers(
+        dest="action", required=True
+    )
+    p = adapter.add_parser("add", help="register a PEFT adapter; checked against the base model first")
+    p.add_argument("tenant_id")
+    p.add_argument("name", help="requests name it <base model>:<name>")
+    p.add_argument("path", type=Path, help="the adapter directory (adapter_config.json + safetensors)")
+    p.add_argument(
+        "--base-model", default=None, help="the served model's .gguf or HF directory (default: embedded)"
+    )
+    p.add_argument(
+        "--model-name", default=None, help="the name clients use for the base model (default: its own)"
+    )
+    p.add_argument("--replace", action="store_true", help="replace an adapter of the same name")
+    adapter.add_parser("list", help="a tenant's adapters").add_argument("tenant_id")
+    p = adapter.add_parser("remove", help="unregister an adapter (its files are left alone)")
+    p.add_argument("tenant_id")
+    p.add_argument("name")
+
     p = groups.add_parser("usage", help="metered usage per UTC day")
     p.add_argument("tenant_id")
     p.add_argument("--days", type=int, default=7)
@@ -253,11 +272,52 @@ def _dispatch(store: TenantAdmin, args: argparse.Namespace, actor: str, out: _Ou
         if action == "rotate":
             issued = store.rotate_key(args.key_id, actor=actor, grace_s=args.grace)
             return out.issued(issued.record, issued.plaintext.get_secret_value(), replaces=args.key_id)
+    if group == "adapter":
+        return _adapter(store, args, actor, out)
     if group == "usage":
         return out.usage(store.usage(args.tenant_id, args.days))
     if group == "audit":
         return out.audit(store.audit_log(args.limit))
     return out.error(TenancyError(f"unknown command {group} {action}"))
+
+
+def _adapter(store: TenantAdmin, args: argparse.Namespace, actor: str, out: _Output) -> int:
+    tenant = store.get_tenant(args.tenant_id)
+    adapters = {name: rec.model_dump(mode="json") for name, rec in tenant.adapters.items()}
+    if args.action == "list":
+        return out.adapters(tenant.adapters)
+    if args.action == "remove":
+        if args.name not in adapters:
+            return out.error(TenancyError(f"tenant {tenant.id!r} has no adapter {args.name!r}"))
+        del adapters[args.name]
+        store.update_tenant(tenant.id, {"adapters": adapters}, actor=actor)
+        return out.message({"removed": args.name}, f"adapter {args.name} removed from {tenant.id}")
+    if args.name in adapters and not args.replace:
+        return out.error(
+            TenancyError(f"tenant {tenant.id!r} already has an adapter {args.name!r} (--replace)")
+        )
+    from worker.api import AdapterError, CheckpointError, inspect_adapter, load_model_config
+
+    try:
+        base, config = load_model_config(args.base_model, args.model_name)
+        info = inspect_adapter(args.path, config)
+    except (AdapterError, CheckpointError) as exc:
+        return out.error(exc)
+    record = AdapterRecord(
+        base_model=base,
+        path=str(args.path.resolve()),
+        digest=info.digest,
+        rank=info.rank,
+        targets=info.targets,
+        added_at=utcnow(),
+    )
+    adapters[args.name] = record.model_dump(mode="json")
+    store.update_tenant(tenant.id, {"adapters": adapters}, actor=actor)
+    return out.message(
+        {"tenant": tenant.id, "name": args.name, **record.model_dump(mode="json")},
+        f"adapter {args.name} added to {tenant.id}: request it as model {base}:{args.name} "
+        f"(rank {info.rank}, {', '.join(info.targets)})",
+    )
 
 
 def _key_json(key: Any) -> dict[str, Any]:
@@ -353,6 +413,14 @@ class _Output:
         if replaces:
             print(f"Key {replaces} stays valid until its grace period ends.", file=sys.stderr)
         return EXIT_OK
+
+    def adapters(self, adapters: dict[str, AdapterRecord]) -> int:
+        if self.as_json:
+            return self._print_json({n: r.model_dump(mode="json") for n, r in adapters.items()})
+        rows = [
+            [f"{r.base_model}:{n}", r.rank, ", ".join(r.targets), r.path] for n, r in sorted(adapters.items())
+        ]
+        return self._table("adapters", ["model", "rank", "targets", "path"], rows)
 
     def usage(self, rows: list[Any]) -> int:
         if self.as_json:

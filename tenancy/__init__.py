@@ -39,6 +39,7 @@ from tenancy.errors import (
 )
 from tenancy.keys import KeyHasher
 from tenancy.models import (
+    AdapterRecord,
     ApiKey,
     AuditEntry,
     DailyUsage,
@@ -60,6 +61,7 @@ from tenancy.watch_redis import RedisTenantWatcher
 
 __all__ = [
     "ActiveLease",
+    "AdapterRecord",
     "Admission",
     "ApiKey",
     "AuditEntry",

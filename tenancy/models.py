@@ -114,6 +114,30 @@ class Quotas(_Frozen):
         return self
 
 
+ADAPTER_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
+"""An adapter's name, requested as ``<base model>:<name>``; no ``:`` so the split is unambiguous."""
+
+
+class AdapterRecord(_Frozen):
+    """A tenant's LoRA adapter, as an admin registered it (``loom admin adapter add``).
+
+    Registration checked the files against the base model; replicas read them from ``path`` (local
+    disk or a shared volume) when a request first needs them. ``digest`` makes a changed file a new
+    adapter: caches and replicas never mix two versions under one name.
+    """
+
+    base_model: str = Field(description="the served model it adapts, as clients name that model")
+    path: str
+    digest: str = Field(pattern=r"^[0-9a-f]{16}$")
+    rank: int = Field(ge=1, le=64)
+    targets: tuple[str, ...]
+    added_at: datetime | None = None
+
+    def engine_id(self, tenant_id: str, name: str) -> str:
+        """The adapter's identity inside engines: unique across tenants, names and versions."""
+        return f"{tenant_id}/{name}@{self.digest}"
+
+
 class Tenant(_Frozen):
     """One customer of the service, as configured by a platform admin."""
 
@@ -135,6 +159,9 @@ class Tenant(_Frozen):
     )
     pool: Literal["shared", "dedicated"] = "shared"
     dedicated_pool: str | None = Field(default=None, pattern=POOL_NAME_PATTERN)
+    adapters: dict[Annotated[str, Field(pattern=ADAPTER_NAME_PATTERN)], AdapterRecord] = Field(
+        default_factory=dict, description="LoRA adapters of this tenant, by name (only it may use them)"
+    )
     created_at: datetime | None = None
     updated_at: datetime | None = None
     version: int = Field(
@@ -179,7 +206,15 @@ class Tenant(_Frozen):
         return self.dedicated_pool if self.is_dedicated and self.dedicated_pool else SHARED_POOL
 
     def allows_model(self, model: str) -> bool:
-        return any(fnmatch.fnmatchcase(model, pattern) for pattern in self.allowed_models)
+        """Whether this tenant may call ``model``; an adapter ``<base>:<name>`` is judged by its base."""
+        base = model.split(":", 1)[0]
+        return any(fnmatch.fnmatchcase(base, pattern) for pattern in self.allowed_models)
+
+    def adapter(self, model: str) -> tuple[str, AdapterRecord] | None:
+        """``(name, record)`` when ``model`` is ``<base>:<name>`` of one of this tenant's adapters."""
+        base, sep, name = model.partition(":")
+        record = self.adapters.get(name) if sep else None
+        return (name, record) if record is not None and record.base_model == base else None
 
     def effective_priority(self, hint: Priority | str | None = None) -> Priority:
         """The request's priority hint (or this tenant's default) capped at this tenant's ceiling.

@@ -40,6 +40,7 @@ UPDATABLE_FIELDS = frozenset(
         "allowed_models",
         "pool",
         "dedicated_pool",
+        "adapters",
     }
 )
 

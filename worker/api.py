@@ -20,12 +20,13 @@ from worker.checkpoint import (
     CheckpointError,
     embedded_model_path,
     load_checkpoint,
+    load_model_config,
     load_tokenizer,
 )
 from worker.config import EngineConfig
 from worker.engine import LLMEngine
 from worker.limits import LIMITS, RequestLimits, Violation, sampling_violations
-from worker.lora import AdapterError, AdapterInfo, LoraRequest, inspect_adapter
+from worker.lora import AdapterError, AdapterInfo, LoraRequest, inspect_adapter, target_shape
 from worker.model_config import ModelConfig, UnsupportedModelError
 from worker.replica_stats import ReplicaStatsRegistry, process_registry
 from worker.request import (
@@ -75,9 +76,11 @@ __all__ = [
     "embedded_model_path",
     "inspect_adapter",
     "load_checkpoint",
+    "load_model_config",
     "load_tokenizer",
     "process_registry",
     "sampling_violations",
+    "target_shape",
 ]
 
 

@@ -10,6 +10,7 @@ import importlib.util
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -63,6 +64,18 @@ def load_checkpoint(path: str | Path | None = None, name: str | None = None) -> 
     return Checkpoint(name or path.stem, path, config, weights, tokenizer)
 
 
+def load_model_config(path: str | Path | None = None, name: str | None = None) -> tuple[str, ModelConfig]:
+    """A checkpoint's name and shapes without its weights (what checking an adapter against it needs)."""
+    if path is None:
+        path, name = embedded_model_path(), name or EMBEDDED_MODEL_NAME
+    path = Path(path)
+    if path.is_dir():
+        return name or path.name, _hf_config(path)
+    if path.suffix == ".gguf" and path.is_file():
+        return name or path.stem, _gguf_config(path)[2]
+    raise CheckpointError(f"no model at {path}")
+
+
 def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
     """Only the tokenizer and chat template of a checkpoint (no weights): what a gateway needs."""
     if path is None:
@@ -88,9 +101,7 @@ def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
 # ---- Hugging Face directory ---------------------------------------------------------------------
 
 
-def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
-    from safetensors.torch import load_file
-
+def _hf_config(path: Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{cfg_file} is missing")
@@ -100,7 +111,13 @@ def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Toke
         gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
         if gen_eos is not None:
             raw_cfg["eos_token_id"] = gen_eos
-    config = ModelConfig.from_hf_dict(raw_cfg)
+    return ModelConfig.from_hf_dict(raw_cfg)
+
+
+def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    from safetensors.torch import load_file
+
+    config = _hf_config(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"no *.safetensors files in {path}")
@@ -144,7 +161,8 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+def _gguf_config(path: Path) -> tuple[Any, str, ModelConfig, Tokenizer]:
+    """(reader, architecture, config, tokenizer) of a GGUF file: metadata only, no tensor read."""
     import gguf
 
     try:
@@ -184,7 +202,14 @@ def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokeni
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
     )
+    return reader, str(arch), config, tokenizer
 
+
+def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
+    import gguf
+
+    reader, arch, config, tokenizer = _gguf_config(path)
+    n_heads, n_kv = config.num_heads, config.num_kv_heads
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:
         arr = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32)

@@ -7,7 +7,9 @@ onto the replica that looked idlest at the last publication.
 
 Prefix affinity: requests of one tenant that start with the same tokens go to the replica that
 served that prefix last (its prefix cache holds the blocks), as long as that replica's load is within
-a tolerance of the least loaded one; otherwise load wins and the prefix moves.
+a tolerance of the least loaded one; otherwise load wins and the prefix moves. A request for a LoRA
+adapter with no prefix history prefers, within the same tolerance, a replica that holds the adapter in
+a slot already (as Ray Serve's model multiplexing does): no load from disk, no eviction.
 """
 
 from __future__ import annotations
@@ -49,7 +51,16 @@ def load_score(stats: EngineStats | None, priority: Priority, sent_since_stats: 
 
 def affinity_key(request: GenerationRequest) -> bytes:
     head = request.prompt_token_ids[:AFFINITY_TOKENS]
-    return hashlib.blake2b(request.cache_salt + array("q", head).tobytes(), digest_size=12).digest()
+    adapter = request.adapter.id.encode() if request.adapter is not None else b""
+    return hashlib.blake2b(request.cache_salt + adapter + array("q", head).tobytes(), digest_size=12).digest()
+
+
+def adapter_holder(candidates: list[Candidate], stats: dict[str, EngineStats], adapter_id: str) -> str | None:
+    """The least loaded replica that already holds the adapter in a slot (no load, no eviction)."""
+    holding = [
+        c for c in candidates if c.replica_id in stats and adapter_id in stats[c.replica_id].loaded_adapters
+    ]
+    return min(holding, key=lambda c: (c.score, c.replica_id)).replica_id if holding else None
 
 
 @dataclass(frozen=True)
@@ -129,6 +140,8 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
             for rid, r in by_id.items()
         ]
         preferred = self._affinity.get(affinity_key(request)) if request is not None else None
+        if preferred is None and request is not None and request.adapter is not None:
+            preferred = adapter_holder(scored, self._stats, request.adapter.id)
         avoid = self._served_by.get(request.retry_of) if request is not None and request.retry_of else None
         return [[by_id[rid]] for rid in rank(scored, preferred, avoid=avoid)]
 

@@ -73,3 +73,18 @@ def test_a_retry_avoids_the_replica_that_failed_it_even_when_it_is_idlest() -> N
     candidates = [Candidate("failed", 0.0), Candidate("other", 0.6)]
     assert rank(candidates, preferred="failed", avoid="failed") == ["other", "failed"]
     assert rank([Candidate("failed", 0.0)], None, avoid="failed") == ["failed"]  # the only one left
+
+
+def test_an_adapter_request_prefers_a_replica_that_holds_it_while_load_allows() -> None:
+    from worker.serve_router import adapter_holder
+
+    stats = {
+        "a": replace(_stats(kv=0.1), loaded_adapters=()),
+        "b": replace(_stats(kv=0.3), loaded_adapters=("t/x@1",)),
+        "c": replace(_stats(kv=0.9), loaded_adapters=("t/x@1",)),
+    }
+    candidates = [Candidate(rid, load_score(s, Priority.STANDARD, 0)) for rid, s in stats.items()]
+    holder = adapter_holder(candidates, stats, "t/x@1")
+    assert holder == "b"  # the least loaded of those holding it
+    assert rank(candidates, holder)[0] == "b"  # within tolerance of the idlest
+    assert adapter_holder(candidates, stats, "t/other@2") is None

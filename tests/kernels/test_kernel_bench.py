@@ -33,7 +33,10 @@ def test_dry_run_checks_every_kernel(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout + proc.stderr
     results = json.loads((tmp_path / "results.json").read_text())
     kernels = {r["kernel"] for r in results["rows"]}
-    assert kernels >= {"decode_attn", "prefill_attn", "kv_write", "rmsnorm+res", "rotary", "silu_and_mul"}
+    assert kernels >= {
+        *("decode_attn", "prefill_attn", "kv_write", "rmsnorm+res", "rotary", "silu_and_mul"),
+        *("lora_shrink", "lora_expand"),
+    }
     assert {r["variant"].split("/")[0] for r in results["rows"] if r["kernel"] == "decode_attn"} == {
         "single",
         "split",

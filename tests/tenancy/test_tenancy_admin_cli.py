@@ -154,3 +154,41 @@ def test_duration_parsing():
     assert cmd_admin.parse_duration("30d") == 30 * 86400
     with pytest.raises(Exception, match="invalid duration"):
         cmd_admin.parse_duration("soon")
+
+
+def test_admin_registers_checks_lists_and_removes_adapters(admin, tmp_path):
+    from loadtest.tiny_model import random_checkpoint, save_hf_dir, save_random_adapter
+
+    ckpt = random_checkpoint()
+    base = save_hf_dir(ckpt, tmp_path / "tiny")
+    good = save_random_adapter(ckpt.config, tmp_path / "good", rank=4)
+    admin("tenant", "create", "acme")
+    added = admin("adapter", "add", "acme", "support", str(good), "--base-model", str(base))
+    assert added["base_model"] == "tiny" and added["rank"] == 4 and len(added["digest"]) == 16
+    listed = admin("adapter", "list", "acme")
+    assert set(listed) == {"support"} and listed["support"]["path"] == str(good.resolve())
+    # Refusals name what is wrong, and change nothing.
+    err = admin("adapter", "add", "acme", "support", str(good), "--base-model", str(base), expect=1)
+    assert "already has an adapter" in err
+    wide = save_random_adapter(random_checkpoint(tiny_config_hidden(96)).config, tmp_path / "wide", rank=4)
+    err = admin("adapter", "add", "acme", "wide", str(wide), "--base-model", str(base), expect=1)
+    assert "does not fit this base model" in err
+    corrupt = tmp_path / "corrupt"
+    corrupt.mkdir()
+    (corrupt / "adapter_config.json").write_text('{"r": 4}')
+    (corrupt / "adapter_model.safetensors").write_bytes(b"\x00\x01garbage")
+    err = admin("adapter", "add", "acme", "corrupt", str(corrupt), "--base-model", str(base), expect=1)
+    assert "cannot read" in err
+    err = admin("adapter", "add", "acme", "Bad:Name", str(good), "--base-model", str(base), expect=1)
+    assert "adapters" in err
+    assert set(admin("adapter", "list", "acme")) == {"support"}
+    admin("adapter", "remove", "acme", "support")
+    assert admin("adapter", "list", "acme") == {}
+    actions = [e["changes"] for e in admin("audit") if e.get("tenant_id") == "acme"]
+    assert any("adapters" in c for c in actions)  # every change is in the audit trail
+
+
+def tiny_config_hidden(hidden: int):
+    from loadtest.tiny_model import tiny_config
+
+    return tiny_config(hidden_size=hidden, intermediate_size=2 * hidden)
