@@ -122,10 +122,15 @@ class InferenceService(pb_grpc.InferenceServicer):
                 async for delta in deltas:
                     # A write waits only once the transport's buffers are full: a client that reads
                     # nothing for stall_s loses its stream (and its lease, slot and buffered output).
+                    response = to_response(delta)
                     try:
-                        await asyncio.wait_for(context.write(to_response(delta)), stall_s)
+                        await asyncio.wait_for(context.write(response), stall_s)
                     except TimeoutError:
                         stalled = True
+                        break
+                    except Exception:  # grpc refused the write: the call is over (the client cancelled
+                        # or dropped, and grpc has not cancelled this handler yet): the client left
+                        log.debug("a write to a finished Generate call failed", exc_info=True)
                         break
         except GatewayError as err:
             await abort(context, err)
