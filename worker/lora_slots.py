@@ -47,6 +47,7 @@ class LoraSlots:
         self._slot_of: dict[str, int] = {}
         self._resident: list[str | None] = [None] * max_loras
         self._covers: list[set[tuple[int, str]]] = [set() for _ in range(max_loras)]
+        self._ranks = [0] * max_loras
         self._pins = [0] * max_loras
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # unpinned
         self._holder: dict[str, int] = {}  # request id -> the slot it pins
@@ -120,6 +121,7 @@ class LoraSlots:
             sa[slot, : loaded.rank].copy_(a.to(self.dtype))
             sb[slot, :, : loaded.rank].copy_(b.to(self.dtype))
         self._covers[slot] = set(loaded.weights)
+        self._ranks[slot] = loaded.rank
         self.scales[slot] = loaded.scale
         self._resident[slot] = adapter_id
         self._slot_of[adapter_id] = slot
@@ -142,7 +144,7 @@ class LoraSlots:
         slots: list[int] = []
         for seq, n in zip(seqs, num_tokens, strict=True):
             slots += [self._holder.get(seq.request_id, -1)] * n
-        batch = LoraBatch.build(slots, self.device)
+        batch = LoraBatch.build(slots, self._ranks, self.device)
         return batch if batch.active else None
 
     def weights(self, layer: int, target: str) -> tuple[torch.Tensor, torch.Tensor] | None:
