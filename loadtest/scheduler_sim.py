@@ -1,7 +1,9 @@
 """Drives the real scheduler and block manager with a stand-in model, one simulated step at a time.
 
 Scheduling questions (fairness, priority, chunking, preemption) do not need real logits, so this runs
-thousands of steps per second: used by the scheduler tests and for what-if runs of policies.
+thousands of steps per second: used by the scheduler tests and for what-if runs of policies. It counts
+steps; loadtest/simulator.py is the same idea on a virtual clock (step durations from a bytes/FLOPs
+cost model, arrivals in time, several replicas), for questions about latency and utilization.
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from collections.abc import Callable
 _COMMAND_MODULES: list[str] = [
     "loom.cmd_generate",
     "loom.cmd_bench",
+    "loom.cmd_loadtest",
     "loom.cmd_admin",
     "loom.cmd_serve",
 ]
