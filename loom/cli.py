@@ -14,6 +14,7 @@ _COMMAND_MODULES: list[str] = [
     "loom.cmd_loadtest",
     "loom.cmd_admin",
     "loom.cmd_serve",
+    "loom.cmd_soak",
 ]
 
 

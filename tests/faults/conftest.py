@@ -9,8 +9,9 @@ from typing import Any
 
 import pytest
 
+from loadtest.soak_streams import GreedyReference
 from loadtest.tiny_model import random_checkpoint, save_hf_dir
-from tests.faults.harness import Engines, GreedyReference, ray_for_folder
+from tests.faults.harness import Engines, ray_for_folder
 
 
 @pytest.fixture(scope="package")

@@ -24,13 +24,10 @@ import httpx
 import pytest
 
 from gateway.client import LoomClient
+from loadtest.soak_streams import GreedyReference, Received, grpc_stream, http_stream
 from tests.faults.harness import (
-    GreedyReference,
-    Received,
     Tenants,
     delete_prefix,
-    grpc_stream,
-    http_stream,
     pool_idle,
     slots_come_back,
     tenancy_settings,

@@ -18,9 +18,10 @@ import httpx
 
 from gateway.api import pb
 from gateway.client import LoomClient
+from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tenancy import FileTenantStore, TenancySettings
 from tenancy.models import Quotas, Tenant
-from tests.faults.harness import TINY, GreedyReference, Received, grpc_stream
+from tests.faults.harness import TINY
 from tests.helpers import eventually
 
 LOOM = str(Path(sys.executable).with_name("loom"))

@@ -9,13 +9,11 @@ from pathlib import Path
 
 from common import Priority
 from gateway.client import LoomClient
+from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tests.faults.harness import (
     Engines,
-    GreedyReference,
-    Received,
     Tenants,
     delete_prefix,
-    grpc_stream,
     pool_idle,
     slots_come_back,
     tenancy_settings,

@@ -11,17 +11,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from gateway.client import LoomClient
+from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tenancy import QuotaMode
-from tests.faults.harness import (
-    GreedyReference,
-    Received,
-    Tenants,
-    grpc_stream,
-    pool_idle,
-    slots_come_back,
-    tenancy_settings,
-    wait_usage,
-)
+from tests.faults.harness import Tenants, pool_idle, slots_come_back, tenancy_settings, wait_usage
 from tests.gateway.conftest import private_gateway
 from tests.helpers import eventually
 

@@ -11,13 +11,11 @@ from pathlib import Path
 import pytest
 
 from gateway.client import LoomClient
+from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tests.faults.harness import (
     Engines,
-    GreedyReference,
-    Received,
     Tenants,
     delete_prefix,
-    grpc_stream,
     pool_idle,
     replica_stats,
     slots_come_back,

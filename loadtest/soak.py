@@ -1,0 +1,745 @@
+"""``loom soak``: minutes of mixed traffic against a served Loom while its parts are broken on a
+schedule, every delivered stream checked token for token, and nothing left behind at the end.
+
+What runs (by default, against a Loom it starts itself: ``loom serve`` with two engine replicas of a
+tiny random model, the Redis tenant store on a private ``redis-server``; all on loopback):
+
+* load: ``--concurrency`` clients loop over four tenants (interactive, standard, batch ceilings; one
+  with tight quotas that gets refusals), gRPC and the HTTP front, priority hints, greedy requests
+  of assorted lengths; a fifth of the streams are abandoned at a random point;
+* faults, on a schedule: an engine replica SIGKILLed (``--kill-every``), Redis stopped for
+  ``--outage`` seconds and restarted (``--outage-every``), a burst of streams that all disconnect
+  early (``--burst-every``);
+* checks: every stream against the greedy run of the same request by the engine in this process, on
+  the same weights (completed: equal token for token; cut: its beginning); at the end, every replica
+  idle (no KV block, nothing running or waiting), no lease in Redis, each request charged at least
+  what its client received (exactly that if it completed), and each tenant's metered usage equal to
+  the sum of its requests' charges; resident memory of the gateway and the replicas sampled.
+
+Writes ``soak.json`` and ``soak.md`` under ``--out``. ``--address`` points it at a server someone else
+started (faults and store checks are then off; the reference comes from clean requests).
+``--fuzz N`` instead sends N fuzz cases (loadtest/soak_fuzz.py) and reports the codes seen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import random
+import signal
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import redis
+
+from common import Priority
+from gateway.client import LoomClient
+from loadtest.machine import cpu_line
+from loadtest.soak_fuzz import Target, fuzz
+from loadtest.soak_server import SECRET, ServedLoom, replica_gauges, rss_mb
+from loadtest.soak_streams import (
+    GreedyReference,
+    Outputs,
+    Received,
+    check_streams,
+    grpc_stream,
+    http_stream,
+    served_reference,
+)
+from tenancy import RedisTenantStore, TenancySettings
+from tenancy.models import Quotas, Tenant
+from tenancy.redis_layout import RedisLayout
+
+RESULTS_DIR = Path(__file__).parent / "results"
+log = logging.getLogger("loom.soak")
+
+# Lengths a request asks for: a discrete set, so the greedy references stay few (48 prompts x 12).
+MAX_TOKENS = (1, 2, 5, 8, 16, 32, 48, 64, 100, 128, 200, 256)
+TOPICS = ("the loom", "a river", "tokens", "the weaver", "Redis", "a replica", "cold tea", "KV blocks")
+PROMPTS = tuple(f"{topic} {i}: " + "tell me more " * (i % 6) for i, topic in enumerate(TOPICS * 6))
+PRIORITIES = (None, Priority.INTERACTIVE, Priority.STANDARD, Priority.BATCH)
+_PB_PRIORITY = {Priority.INTERACTIVE: 1, Priority.STANDARD: 2, Priority.BATCH: 3}
+
+
+@dataclass(frozen=True)
+class TenantPlan:
+    name: str
+    share: float  # of the load
+    fields: dict[str, Any]
+
+
+TENANTS = (
+    TenantPlan(
+        "soak-chat", 0.3, {"priority_ceiling": "interactive", "default_priority": "interactive", "weight": 2}
+    ),
+    TenantPlan("soak-standard", 0.3, {}),
+    TenantPlan("soak-batch", 0.3, {"priority_ceiling": "batch", "default_priority": "batch"}),
+    # Tight quotas: its refusals (RESOURCE_EXHAUSTED / 429) are part of the mix.
+    TenantPlan("soak-limited", 0.1, {"quotas": {"max_concurrent": 2, "requests_per_minute": 120}}),
+)
+
+
+@dataclass
+class SoakConfig:
+    minutes: float = 10.0
+    concurrency: int = 12
+    seed: int = 0
+    replicas: int = 2
+    kill_every_s: float = 150.0
+    outage_every_s: float = 180.0
+    outage_s: float = 10.0
+    burst_every_s: float = 60.0
+    burst_size: int = 80
+    sample_every_s: float = 15.0
+    address: str | None = None  # a server someone else started
+    http_address: str | None = None
+    api_keys: list[str] = field(default_factory=list)
+    model: str = "tiny"
+
+
+@dataclass
+class Fault:
+    at_s: float
+    kind: str
+    detail: str
+
+
+@dataclass
+class Run:
+    """Everything the soak records while it runs."""
+
+    started: float = field(default_factory=time.monotonic)
+    streams: list[Received] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    memory: list[dict[str, Any]] = field(default_factory=list)
+
+    def now(self) -> float:
+        return round(time.monotonic() - self.started, 1)
+
+
+# ---- the load --------------------------------------------------------------------------------------
+
+
+class Load:
+    def __init__(
+        self, cfg: SoakConfig, keys: dict[str, str], grpc_address: str, http_address: str | None
+    ) -> None:
+        self.cfg = cfg
+        self.keys = keys
+        self.clients = {name: LoomClient(grpc_address, key) for name, key in keys.items()}
+        self.http = (
+            httpx.AsyncClient(
+                base_url=f"http://{http_address}", timeout=120, limits=httpx.Limits(max_connections=256)
+            )
+            if http_address
+            else None
+        )
+        self.shares = [next((t.share for t in TENANTS if t.name == name), 1.0) for name in keys]
+
+    async def close(self) -> None:
+        for client in self.clients.values():
+            await client.close()
+        if self.http is not None:
+            await self.http.aclose()
+
+    async def one(self, run: Run, rng: random.Random, *, early_exit: bool = False) -> Received:
+        """One request: a tenant, a front, a prompt, a length, a priority hint; maybe abandoned."""
+        name = rng.choices(list(self.keys), weights=self.shares)[0]
+        r = Received(name, rng.choice(PROMPTS), rng.choice(MAX_TOKENS), model=self.cfg.model)
+        run.streams.append(r)
+        over_http = self.http is not None and rng.random() < 0.3
+        hint = rng.choice(PRIORITIES)
+        if early_exit:
+            mode = rng.choice(["tokens", "timer"])
+        else:
+            mode = rng.choices(["complete", "tokens", "timer"], weights=[75, 20, 5])[0]
+        cancel_after = rng.randint(1, max(1, r.max_tokens)) if mode == "tokens" else None
+        if early_exit and cancel_after is not None:
+            cancel_after = rng.randint(1, 5)
+        if over_http:
+            assert self.http is not None
+            extra = {"priority": hint.value} if hint is not None else {}
+            work = http_stream(self.http, self.keys[name], r, cancel_after=cancel_after, **extra)
+        else:
+            extra = {"priority": _PB_PRIORITY[hint]} if hint is not None else {}
+            work = grpc_stream(self.clients[name], r, cancel_after=cancel_after, **extra)
+        task = asyncio.ensure_future(work)
+        if mode == "timer":
+            done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.15 if early_exit else 1.0))
+            if not done:
+                task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.gather(task, return_exceptions=True)
+        return r
+
+    async def worker(self, run: Run, rng: random.Random, until: float) -> None:
+        while time.monotonic() < until:
+            r = await self.one(run, rng)
+            if r.code in ("RESOURCE_EXHAUSTED", "429"):
+                await asyncio.sleep(rng.uniform(0.1, 0.5))  # a refused client backs off
+
+    async def burst(self, run: Run, rng: random.Random) -> None:
+        """Streams that all leave early: a disconnect storm in miniature."""
+        seeds = [rng.getrandbits(64) for _ in range(self.cfg.burst_size)]
+        await asyncio.gather(*(self.one(run, random.Random(s), early_exit=True) for s in seeds))
+
+
+# ---- faults and samples ------------------------------------------------------------------------------
+
+
+async def inject_faults(cfg: SoakConfig, served: ServedLoom, load: Load, run: Run, until: float) -> None:
+    """The fault schedule: first burst at 30 s, first kill at 60 s, first outage at 120 s, then at
+    their intervals; nothing starts that would not end before the load stops."""
+    rng = random.Random(cfg.seed + 1)
+    due = {"burst": 30.0, "kill": 60.0, "outage": 120.0}
+    every = {"burst": cfg.burst_every_s, "kill": cfg.kill_every_s, "outage": cfg.outage_every_s}
+    bursts: list[asyncio.Task[None]] = []
+    while True:
+        kind = min(due, key=lambda k: due[k])
+        at = run.started + due[kind]
+        if at + (cfg.outage_s + 5 if kind == "outage" else 5) > until:
+            break
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        due[kind] += every[kind]
+        if kind == "kill":
+            pids = served.replica_pids()
+            if pids:
+                victim = rng.choice(pids)
+                os.kill(victim, signal.SIGKILL)
+                run.faults.append(
+                    Fault(run.now(), "replica SIGKILL", f"pid {victim} of {len(pids)} replicas")
+                )
+        elif kind == "outage" and served.redis is not None:
+            await asyncio.to_thread(served.redis.stop)
+            run.faults.append(Fault(run.now(), "Redis stopped", f"for {cfg.outage_s:g} s"))
+            await asyncio.sleep(cfg.outage_s)
+            await asyncio.to_thread(served.redis.start)
+            run.faults.append(Fault(run.now(), "Redis restarted", "append-only file reloaded"))
+        elif kind == "burst":
+            run.faults.append(Fault(run.now(), "disconnect burst", f"{cfg.burst_size} streams leave early"))
+            bursts.append(asyncio.create_task(load.burst(run, random.Random(rng.getrandbits(64)))))
+    await asyncio.gather(*bursts)
+
+
+async def sample_memory(served: ServedLoom | None, run: Run, every_s: float) -> None:
+    while served is not None:
+        row: dict[str, Any] = {"at_s": run.now(), "gateway_mb": rss_mb(served.pid)}
+        row["replicas_mb"] = {str(p): rss_mb(p) for p in served.replica_pids()}
+        run.memory.append(row)
+        await asyncio.sleep(every_s)
+
+
+# ---- the checks at the end -------------------------------------------------------------------------
+
+
+async def wait_idle(served: ServedLoom, replicas: int, timeout_s: float = 120.0) -> dict[str, Any]:
+    """Every replica (all ``replicas`` of them, replacements included) idle, by the gateway's metrics."""
+    deadline = time.monotonic() + timeout_s
+    gauges: dict[str, Any] = {}
+    while time.monotonic() < deadline:
+        await asyncio.sleep(3.0)  # replicas publish every second, changes only: let the last arrive
+        gauges = await asyncio.to_thread(replica_gauges, served.metrics_url)
+        if len(gauges) >= replicas and all(g.idle for g in gauges.values()):
+            break
+    return {rid: vars(g) for rid, g in gauges.items()}
+
+
+def billing(redis_url: str, tenants: dict[str, str], streams: list[Received]) -> dict[str, Any]:
+    """Per tenant: what each request was charged (its record in Redis) against what its client received,
+    the metered usage against the sum of the charges, and the leases left."""
+    layout = RedisLayout("loom")
+    store = RedisTenantStore.from_settings(TenancySettings(store="redis", redis_url=redis_url, secret=SECRET))
+    client = redis.Redis.from_url(redis_url, socket_timeout=10)
+    out: dict[str, Any] = {}
+    try:
+        for name, tenant_id in tenants.items():
+            mine = [r for r in streams if r.tenant_id == name]
+            pipe = client.pipeline(transaction=False)
+            for r in mine:
+                pipe.hmget(layout.request(tenant_id, r.request_id), "state", "completion")
+            records = pipe.execute()
+            under = over = unsettled = 0
+            charged = admitted = 0
+            slack = Counter[int]()
+            for r, (state, completion) in zip(mine, records, strict=True):
+                if state is None:  # never admitted (refused, or left before admission)
+                    if r.tokens:
+                        under += 1
+                    continue
+                if state != b"done":
+                    unsettled += 1
+                    continue
+                admitted += 1
+                billed = int(completion)
+                charged += billed
+                completed = r.finished and r.code == "OK"
+                if billed < r.tokens:
+                    under += 1
+                elif (completed and billed != r.tokens) or billed > r.max_tokens:
+                    over += 1
+                slack[billed - r.tokens] += 1
+            days = store.usage(tenant_id, days=2)
+            out[name] = {
+                "requests_sent": len(mine),
+                "requests_metered": sum(d.requests for d in days),
+                "requests_charged": admitted,
+                "tokens_received": sum(r.tokens for r in mine),
+                "tokens_metered": sum(d.completion_tokens for d in days),
+                "tokens_charged": charged,
+                "under_billed": under,
+                "over_billed": over,
+                "unsettled": unsettled,
+                "charged_minus_received": dict(sorted(slack.items())),
+                "leases_left": int(client.zcard(layout.leases(tenant_id))),
+            }
+    finally:
+        client.close()
+    return out
+
+
+def _usage_settled(redis_url: str, tenants: dict[str, str], expected: dict[str, int]) -> bool:
+    store = RedisTenantStore.from_settings(TenancySettings(store="redis", redis_url=redis_url, secret=SECRET))
+    return all(
+        sum(d.requests for d in store.usage(tid, days=2)) >= expected[name] for name, tid in tenants.items()
+    )
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+
+
+def create_tenants(redis_url: str) -> tuple[dict[str, str], dict[str, str]]:
+    """The soak's tenants in the store: name -> API key, name -> tenant id."""
+    store = RedisTenantStore.from_settings(TenancySettings(store="redis", redis_url=redis_url, secret=SECRET))
+    keys, ids = {}, {}
+    for plan in TENANTS:
+        fields = dict(plan.fields)
+        quotas = Quotas.unlimited().model_copy(update=fields.pop("quotas", {}))
+        store.create_tenant(Tenant(id=plan.name, quotas=quotas, **fields), actor="loom-soak")
+        keys[plan.name] = store.create_key(plan.name, actor="loom-soak").plaintext.get_secret_value()
+        ids[plan.name] = plan.name
+    return keys, ids
+
+
+async def _ready(
+    client: LoomClient, model: str, tenant: str = "probe", sent: list[Received] | None = None
+) -> None:
+    """Wait until the gateway knows the key and a replica answers (the probes go in ``sent``: they are
+    metered like any request)."""
+    deadline = time.monotonic() + 120
+    while True:
+        r = await grpc_stream(client, Received(tenant, PROMPTS[0], 1, model=model), timeout_s=10)
+        if sent is not None:
+            sent.append(r)
+        if r.code == "OK":
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the server does not answer: {r.code} {r.message}")
+        await asyncio.sleep(0.5)
+
+
+def _engine_env() -> dict[str, str]:
+    # Small KV caches (preemption and recompute happen under load) and one thread per replica.
+    return {
+        "LOOM_ENGINE_BLOCK_SIZE": "8",
+        "LOOM_ENGINE_NUM_BLOCKS": "160",
+        "LOOM_ENGINE_MAX_NUM_SEQS": "8",
+        "LOOM_ENGINE_NUM_THREADS": "1",
+    }
+
+
+async def run_soak(cfg: SoakConfig, say: Any) -> dict[str, Any]:
+    run = Run()
+    served: ServedLoom | None = None
+    if cfg.address is None:
+        served = ServedLoom.create(cfg.replicas, _engine_env())
+        say(f"starting loom serve ({cfg.replicas} replicas, a private Redis) in {served.workdir} ...")
+        await served.start()
+        keys, tenant_ids = create_tenants(served.redis_url)
+        grpc_address, http_address = served.grpc_address, served.http_address
+    else:
+        keys = {f"tenant-{i}": key for i, key in enumerate(cfg.api_keys)}
+        tenant_ids = {}
+        grpc_address, http_address = cfg.address, cfg.http_address
+    load = Load(cfg, keys, grpc_address, http_address)
+    report: dict[str, Any] = {}
+    try:
+        for name, client in load.clients.items():
+            await _ready(client, cfg.model, name, run.streams)
+        reference = GreedyReference(served.model_dir) if served is not None else None
+        rng = random.Random(cfg.seed)
+        run.started = time.monotonic()
+        until = run.started + cfg.minutes * 60
+        say(f"soaking for {cfg.minutes:g} min with {cfg.concurrency} clients ...")
+        sampler = asyncio.create_task(sample_memory(served, run, cfg.sample_every_s))
+        faults = (
+            asyncio.create_task(inject_faults(cfg, served, load, run, until))
+            if served is not None
+            else asyncio.create_task(_bursts_only(cfg, load, run, until))
+        )
+        progress = asyncio.create_task(_progress(run, until, say))
+        workers = [
+            asyncio.create_task(load.worker(run, random.Random(rng.getrandbits(64)), until))
+            for _ in range(cfg.concurrency)
+        ]
+        await asyncio.gather(*workers, faults)
+        load_s = time.monotonic() - run.started
+        for task in (sampler, progress):
+            task.cancel()
+        await asyncio.gather(sampler, progress, return_exceptions=True)
+        if served is not None and served.redis is not None and not served.redis.running:
+            await asyncio.to_thread(served.redis.start)
+        say(f"load over after {load_s:.0f} s ({len(run.streams)} requests); checking ...")
+
+        # Token for token, against the greedy run of each request.
+        wanted = {(r.prompt, r.max_tokens) for r in run.streams if r.tokens or r.finished}
+        if reference is not None:
+            await asyncio.to_thread(reference.compute, wanted)
+            outputs: Outputs = reference.outputs
+        else:
+            outputs = await served_reference(next(iter(load.clients.values())), cfg.model, wanted)
+        checked = [r for r in run.streams if (r.prompt, r.max_tokens) in outputs]
+        mismatches = check_streams(checked, outputs)
+
+        leaks: dict[str, Any] = {}
+        if served is not None:
+            expected = Counter(r.tenant_id for r in run.streams if r.code == "OK" and r.finished)
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline and not await asyncio.to_thread(
+                _usage_settled, served.redis_url, tenant_ids, expected
+            ):
+                await asyncio.sleep(1.0)
+            replicas = await wait_idle(served, cfg.replicas)
+            bills = await asyncio.to_thread(billing, served.redis_url, tenant_ids, run.streams)
+            leaks = {
+                "replicas_not_idle": sum(1 for g in replicas.values() if not _idle(g)),
+                "replicas_seen": len(replicas),
+                "kv_blocks_held": sum(g["kv_blocks_used"] for g in replicas.values()),
+                "leases_left": sum(b["leases_left"] for b in bills.values()),
+                "under_billed": sum(b["under_billed"] for b in bills.values()),
+                "over_billed": sum(b["over_billed"] for b in bills.values()),
+                "unsettled": sum(b["unsettled"] for b in bills.values()),
+                "usage_mismatch": sum(
+                    1
+                    for b in bills.values()
+                    if b["tokens_metered"] != b["tokens_charged"]
+                    or b["requests_metered"] != b["requests_charged"]
+                ),
+                "preemptions": sum(g["preemptions"] for g in replicas.values()),
+            }
+            report["tenants"] = bills
+        report.update(_summary(cfg, run, load_s, checked, mismatches, leaks))
+    finally:
+        await load.close()
+        if served is not None:
+            code = await served.stop()
+            report["server_exit_code"] = code
+            served.remove()
+    return report
+
+
+def _idle(gauges: dict[str, Any]) -> bool:
+    return gauges["kv_blocks_used"] == 0 and gauges["running"] == 0 and gauges["waiting"] == 0
+
+
+async def _bursts_only(cfg: SoakConfig, load: Load, run: Run, until: float) -> None:
+    rng = random.Random(cfg.seed + 1)
+    while time.monotonic() + cfg.burst_every_s < until:
+        await asyncio.sleep(cfg.burst_every_s)
+        run.faults.append(Fault(run.now(), "disconnect burst", f"{cfg.burst_size} streams leave early"))
+        await load.burst(run, random.Random(rng.getrandbits(64)))
+
+
+async def _progress(run: Run, until: float, say: Any) -> None:
+    while True:
+        await asyncio.sleep(60)
+        codes = Counter(r.code for r in run.streams)
+        left = max(0.0, until - time.monotonic())
+        done = f"{len(run.streams)} requests {dict(codes)}, {len(run.faults)} faults"
+        say(f"  {run.now():.0f} s: {done}, {left:.0f} s left")
+
+
+def _growth(samples: list[float | None]) -> dict[str, float | None]:
+    values = [s for s in samples if s is not None]
+    if not values:
+        return {"first_mb": None, "last_mb": None, "max_mb": None, "growth_mb": None}
+    return {
+        "first_mb": round(values[0], 1),
+        "last_mb": round(values[-1], 1),
+        "max_mb": round(max(values), 1),
+        "growth_mb": round(values[-1] - values[0], 1),
+    }
+
+
+def _summary(
+    cfg: SoakConfig,
+    run: Run,
+    load_s: float,
+    checked: list[Received],
+    mismatches: list[str],
+    leaks: dict[str, Any],
+) -> dict[str, Any]:
+    streams = run.streams
+    codes = Counter(r.code for r in streams)
+    completed = [r for r in streams if r.code == "OK" and r.finished]
+    # Memory: the gateway after warm-up (the first minute) to the end; each replica process over its life.
+    warm = [m for m in run.memory if m["at_s"] >= 60] or run.memory
+    replica_series: dict[str, list[float | None]] = {}
+    for m in run.memory:
+        for pid, mb in m["replicas_mb"].items():
+            replica_series.setdefault(pid, []).append(mb)
+    replicas = {pid: _growth(series) for pid, series in replica_series.items()}
+    verdict_problems = (
+        len(mismatches)
+        + sum(
+            leaks.get(k, 0)
+            for k in (
+                "replicas_not_idle",
+                "leases_left",
+                "under_billed",
+                "over_billed",
+                "unsettled",
+                "usage_mismatch",
+            )
+        )
+        + codes.get("INTERNAL", 0)
+        + codes.get("UNKNOWN", 0)
+        + codes.get("500", 0)
+    )
+    return {
+        "date": time.strftime("%Y-%m-%d"),
+        "cpu": cpu_line(),
+        "config": {k: v for k, v in vars(cfg).items() if k != "api_keys"},
+        "load_seconds": round(load_s, 1),
+        "requests": len(streams),
+        "requests_by_front": dict(Counter(r.front for r in streams)),
+        "requests_by_code": dict(codes.most_common()),
+        "completed": len(completed),
+        "abandoned_by_client": sum(1 for r in streams if r.cancelled),
+        "tokens_received": sum(r.tokens for r in streams),
+        "tokens_verified": sum(r.tokens for r in checked),
+        "streams_verified": len(checked),
+        "token_mismatches": len(mismatches),
+        "mismatch_examples": mismatches[:20],
+        "faults": [vars(f) for f in run.faults],
+        "faults_by_kind": dict(Counter(f.kind for f in run.faults)),
+        "leaks": leaks,
+        "memory": {
+            "gateway": _growth([m["gateway_mb"] for m in warm]),
+            "replicas": replicas,
+            "samples": run.memory,
+        },
+        "problems": verdict_problems,
+        "verdict": "pass" if verdict_problems == 0 else "FAIL",
+    }
+
+
+# ---- reports ------------------------------------------------------------------------------------------
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    leaks = report.get("leaks", {})
+    cfg = report["config"]
+    mem = report["memory"]
+    gw = mem["gateway"]
+    lines = [
+        "# Soak",
+        "",
+        f"`loom soak --minutes {cfg['minutes']:g}` on {report['date']}: {report['load_seconds']:.0f} s "
+        f"of load from {cfg['concurrency']} clients (and the disconnect bursts) against `loom serve` with "
+        f"{cfg['replicas']} engine replicas of a tiny random model and the Redis tenant store on a "
+        f"private redis-server, loopback only. CPU: {report['cpu']}.",
+        "",
+        f"**Verdict: {report['verdict']}** ({report['problems']} problems).",
+        "",
+        "| | |",
+        "|---|---:|",
+        f"| requests | {report['requests']} |",
+        f"| by front | {', '.join(f'{k} {v}' for k, v in report['requests_by_front'].items())} |",
+        f"| by code | {', '.join(f'{k} {v}' for k, v in report['requests_by_code'].items())} |",
+        f"| completed | {report['completed']} |",
+        f"| abandoned by their client | {report['abandoned_by_client']} |",
+        f"| tokens received | {report['tokens_received']} |",
+        f"| tokens verified against the greedy reference | {report['tokens_verified']} "
+        f"({report['streams_verified']} streams) |",
+        f"| token mismatches (lost, duplicated, reordered, wrong) | {report['token_mismatches']} |",
+    ]
+    if leaks:
+        lines += [
+            f"| replicas not idle at the end | {leaks['replicas_not_idle']} (of {leaks['replicas_seen']}; "
+            f"{leaks['kv_blocks_held']:g} KV blocks held) |",
+            f"| leases left in Redis | {leaks['leases_left']} |",
+            f"| requests charged less than delivered | {leaks['under_billed']} |",
+            f"| requests charged more than allowed | {leaks['over_billed']} |",
+            f"| requests never settled | {leaks['unsettled']} |",
+            f"| tenants whose metered usage differs from their charges | {leaks['usage_mismatch']} |",
+            f"| preemptions (surviving replicas) | {leaks['preemptions']:g} |",
+        ]
+    lines += [
+        "",
+        "Faults injected: " + ", ".join(f"{k} x{v}" for k, v in report["faults_by_kind"].items()) + ".",
+        "",
+        "| at s | fault | detail |",
+        "|---:|---|---|",
+        *(f"| {f['at_s']:.0f} | {f['kind']} | {f['detail']} |" for f in report["faults"]),
+    ]
+    if "tenants" in report:
+        lines += [
+            "",
+            "Per tenant: tokens its clients received, what its requests were charged (each request's record "
+            "in Redis), and the usage metered; a request its client abandoned may be charged the tokens "
+            "already on their way to it (charged minus received, by count of requests).",
+            "",
+            "| tenant | requests sent | metered | tokens received | charged | metered | charged - received |",
+            "|---|---:|---:|---:|---:|---:|---|",
+        ]
+        for name, b in report["tenants"].items():
+            slack = ", ".join(f"{k}: {v}" for k, v in b["charged_minus_received"].items())
+            lines.append(
+                f"| {name} | {b['requests_sent']} | {b['requests_metered']} | {b['tokens_received']} | "
+                f"{b['tokens_charged']} | {b['tokens_metered']} | {slack} |"
+            )
+    lines += [
+        "",
+        "Resident memory (MiB): the `loom serve` process (gateway and Ray driver) from the end of the first "
+        f"minute to the end: {gw['first_mb']} -> {gw['last_mb']} (growth {gw['growth_mb']}, "
+        f"max {gw['max_mb']}). "
+        "Engine replicas, each process over its life (a killed replica is replaced by a new process):",
+        "",
+        "| replica pid | first | last | max | growth |",
+        "|---|---:|---:|---:|---:|",
+        *(
+            f"| {pid} | {g['first_mb']} | {g['last_mb']} | {g['max_mb']} | {g['growth_mb']} |"
+            for pid, g in mem["replicas"].items()
+        ),
+        "",
+        f"The server exited with status {report.get('server_exit_code')} after SIGTERM (drain).",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write(report: dict[str, Any], out_dir: Path, name: str = "soak") -> None:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(to_markdown(report))
+
+
+# ---- fuzz --------------------------------------------------------------------------------------------
+
+
+async def run_fuzz(cfg: SoakConfig, n: int, say: Any) -> dict[str, Any]:
+    served: ServedLoom | None = None
+    if cfg.address is None:
+        served = ServedLoom.create(1, _engine_env())
+        say(f"starting loom serve in {served.workdir} ...")
+        await served.start()
+        keys, _ = create_tenants(served.redis_url)
+        key = keys["soak-standard"]
+        target = Target(served.grpc_address, served.http_address, key, cfg.model)
+    else:
+        if not cfg.api_keys:
+            raise SystemExit("loom soak --fuzz --address needs --api-key")
+        target = Target(cfg.address, cfg.http_address, cfg.api_keys[0], cfg.model)
+    try:
+        async with LoomClient(target.grpc_address, target.api_key) as client:
+            await _ready(client, cfg.model)
+            say(f"sending {n} fuzz cases ...")
+            report = await fuzz(target, n, seed=cfg.seed, progress=lambda k: say(f"  {k} cases"))
+            healthy = await _healthy(client, cfg.model)
+        out = report.to_dict() | {"healthy_after": healthy}
+        out["verdict"] = "pass" if healthy and not report.problem_count else "FAIL"
+        return out
+    finally:
+        if served is not None:
+            out_code = await served.stop()
+            say(f"server exited with status {out_code}")
+            served.remove()
+
+
+async def _healthy(client: LoomClient, model: str) -> bool:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    reply = await health_pb2_grpc.HealthStub(client.channel).Check(health_pb2.HealthCheckRequest(service=""))
+    r = await grpc_stream(client, Received("health", "hello", 5, model=model), timeout_s=30)
+    return reply.status == health_pb2.HealthCheckResponse.SERVING and r.code == "OK" and r.tokens == 5
+
+
+def fuzz_markdown(report: dict[str, Any]) -> str:
+    codes = sorted({c for per_kind in report["codes"].values() for c in per_kind})
+    lines = [
+        f"{report['cases']} fuzz cases in {report['seconds']:.0f} s; problems: {report['problem_count']}; "
+        f"healthy afterwards: {report['healthy_after']}; verdict: {report['verdict']}",
+        "",
+        "| case kind | " + " | ".join(codes) + " |",
+        "|---|" + "---:|" * len(codes),
+    ]
+    for kind, per_code in report["codes"].items():
+        lines.append(f"| {kind} | " + " | ".join(str(per_code.get(c, "")) for c in codes) + " |")
+    for p in report["problems"][:10]:
+        lines.append(f"- {p['kind']} ({p['note']}): {p['code']}: {p['problems']}")
+    return "\n".join(lines) + "\n"
+
+
+# ---- the command --------------------------------------------------------------------------------------
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("soak", help="minutes of mixed load with faults injected, every token checked")
+    p.add_argument("--minutes", type=float, default=10.0)
+    p.add_argument("--concurrency", type=int, default=12, help="clients looping over requests")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--replicas", type=int, default=2, help="engine replicas of the server it starts")
+    p.add_argument("--kill-every", type=float, default=150.0, help="seconds between replica SIGKILLs")
+    p.add_argument("--outage-every", type=float, default=180.0, help="seconds between Redis outages")
+    p.add_argument("--outage", type=float, default=10.0, help="seconds Redis stays down")
+    p.add_argument("--burst-every", type=float, default=60.0, help="seconds between disconnect bursts")
+    p.add_argument("--burst-size", type=int, default=80)
+    p.add_argument("--address", default=None, help="soak a running server (gRPC host:port) instead")
+    p.add_argument("--http-address", default=None, help="with --address: its HTTP front (host:port)")
+    p.add_argument("--api-key", action="append", default=[], help="with --address: a tenant's key (repeat)")
+    p.add_argument("--model", default="tiny", help="the model to ask for")
+    p.add_argument("--fuzz", type=int, default=None, metavar="N", help="send N fuzz cases instead of soaking")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING)
+    cfg = SoakConfig(
+        minutes=args.minutes,
+        concurrency=args.concurrency,
+        seed=args.seed,
+        replicas=args.replicas,
+        kill_every_s=args.kill_every,
+        outage_every_s=args.outage_every,
+        outage_s=args.outage,
+        burst_every_s=args.burst_every,
+        burst_size=args.burst_size,
+        address=args.address,
+        http_address=args.http_address,
+        api_keys=list(args.api_key),
+        model=args.model,
+    )
+    if cfg.address is not None and not cfg.api_keys:
+        print("loom soak: --address needs at least one --api-key", file=sys.stderr)
+        return 2
+
+    def say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
+    if args.fuzz is not None:
+        report = asyncio.run(run_fuzz(cfg, args.fuzz, say))
+        print(fuzz_markdown(report))
+        return 0 if report["verdict"] == "pass" else 1
+    report = asyncio.run(run_soak(cfg, say))
+    write(report, args.out)
+    print(to_markdown(report))
+    return 0 if report["verdict"] == "pass" else 1
