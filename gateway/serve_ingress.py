@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from typing import Any
+from urllib.parse import urlparse
 
 from ray import serve
 
@@ -86,7 +87,17 @@ def gateway_deployment(
     return deployment.bind(
         gateway_settings.model_dump(),
         # Secrets never travel in deployment arguments: replicas read them from their environment.
-        tenancy_settings.model_dump(mode="json", exclude={"secret", "previous_secrets"}),
+        tenancy_settings.model_dump(mode="json", exclude=_secrets(tenancy_settings)),
         pools,
         tokenizer_paths,
     )
+
+
+def _secrets(settings: TenancySettings) -> set[str]:
+    """Tenancy fields that must not travel in deployment arguments (Ray keeps those in its GCS): the
+    key-hashing secrets, and a Redis URL that carries a password. Replicas read them from their own
+    environment (``LOOM_TENANCY_*``: the pod's, from a Kubernetes Secret)."""
+    fields = {"secret", "previous_secrets"}
+    if urlparse(str(settings.redis_url)).password:
+        fields.add("redis_url")
+    return fields
