@@ -73,6 +73,9 @@ log = logging.getLogger(__name__)
 # Below this many UTF-8 bytes a prompt is tokenized on the event loop: the work takes microseconds,
 # less than a hop to a worker thread. Above it, a thread keeps a huge prompt from stalling every stream.
 INLINE_TOKENIZE_BYTES = 16 * 1024
+# Large prompts tokenized at once, per gateway: each takes a core for up to a second (1 MB), so a tenant
+# sending many cannot take every core from the streams of the others; the rest wait their turn.
+LARGE_TOKENIZE_SLOTS = 1
 
 OK = "OK"  # the final code of a call that streamed to its end (gRPC's name, as every other code)
 
@@ -97,6 +100,7 @@ class RequestPath:
         self.tenancy = tenancy
         self.catalog = catalog
         self.settings = settings
+        self._large_tokenize = asyncio.Semaphore(LARGE_TOKENIZE_SLOTS)
 
     # ---- the operations fronts call ------------------------------------------------------------------
 
@@ -219,7 +223,11 @@ class RequestPath:
             return tokenizer.encode(v.prompt or "")
 
         try:
-            ids = encode() if v.prompt_bytes <= INLINE_TOKENIZE_BYTES else await asyncio.to_thread(encode)
+            if v.prompt_bytes <= INLINE_TOKENIZE_BYTES:
+                ids = encode()
+            else:
+                async with self._large_tokenize:
+                    ids = await asyncio.to_thread(encode)
         except TemplateError as exc:  # the model has no chat template, or the template refused
             raise invalid_argument([("messages", str(exc))]) from None
         if not ids:

@@ -23,6 +23,19 @@ def _raise_exception(message: str) -> None:
     raise TemplateError(message)
 
 
+# HF tokenizers' ``encode`` holds the GIL for all of its work (about a second for a 1 MB prompt), which
+# stalls every other thread, the gateway's event loop included, even when called from a worker thread;
+# ``encode_batch`` releases it while the Rust code runs. Same ids; below this size the call is too short
+# to matter (loadtest/bench_isolation.py measures the stall).
+_RELEASE_GIL_CHARS = 16 * 1024
+
+
+def _encode_ids(backend: HFTokenizer, text: str) -> list[int]:
+    if len(text) < _RELEASE_GIL_CHARS:
+        return backend.encode(text, add_special_tokens=False).ids
+    return backend.encode_batch([text], add_special_tokens=False)[0].ids
+
+
 @dataclass
 class Tokenizer:
     """Encode/decode plus the chat template; ``eos_token_ids`` end a completion."""
@@ -41,7 +54,7 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        ids = _encode_ids(self.backend, text)
         bos = self.bos_token_id
         if add_special_tokens and self.add_bos_token and bos is not None and (not ids or ids[0] != bos):
             ids = [bos, *ids]
@@ -82,9 +95,9 @@ class Tokenizer:
         ids: list[int] = []
         for i, piece in enumerate(pieces):
             if i % 2 == 0:
-                ids += self.backend.encode(piece, add_special_tokens=False).ids if piece else []
+                ids += _encode_ids(self.backend, piece) if piece else []
             elif piece:
-                ids += self._plain_backend().encode(piece, add_special_tokens=False).ids
+                ids += _encode_ids(self._plain_backend(), piece)
         return ids
 
     def _split_contents(self, messages: list[dict[str, str]], text: str) -> list[str] | None:

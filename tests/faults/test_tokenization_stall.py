@@ -1,0 +1,95 @@
+"""Prompts at the 1 MB limit are tokenized without stalling the gateway's event loop.
+
+The gateway tokenizes a large prompt in a worker thread; that only helps if the tokenizer lets go of
+the GIL, which HF tokenizers' ``encode`` does not (it held the loop for the whole second a 1 MB prompt
+takes: every stream of every tenant stopped, and Redis calls timed out into fail-static mode).
+loadtest/bench_isolation.py measures the effect on another tenant's token gaps; this holds the fix.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import string
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from gateway.api import pb
+from gateway.catalog import ModelCatalog
+from gateway.client import LoomClient
+from gateway.pools import LocalEnginePool
+from gateway.server import GatewayServer
+from gateway.settings import GatewaySettings
+from tenancy import FileTenantStore, Tenancy, TenancySettings
+from tenancy.models import Quotas, Tenant
+from worker.api import LIMITS, AsyncEngine, EngineConfig, LLMEngine, load_tokenizer
+
+
+@pytest.fixture
+async def served(model_dir: Path, tmp_path: Path) -> AsyncIterator[tuple[str, str]]:
+    """An in-process gateway (engine in this process too: no Ray needed) and a tenant's key."""
+    engine = AsyncEngine(
+        LLMEngine(EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1))
+    )
+    engine.start()
+    settings = TenancySettings(
+        store="file", tenants_file=tmp_path / "tenants.yaml", secret="stall-test-secret-0123456789"
+    )
+    store = FileTenantStore(settings.tenants_file, settings.hasher())
+    store.create_tenant(Tenant(id="big", quotas=Quotas.unlimited()), actor="tests")
+    key = store.create_key("big", actor="tests").plaintext.get_secret_value()
+    tenancy = Tenancy.from_settings(settings)
+    await tenancy.start()
+    catalog = await ModelCatalog.build([(LocalEnginePool(engine), load_tokenizer(model_dir))])
+    server = await GatewayServer(
+        GatewaySettings(port=0, http_port=None, metrics_port=None), tenancy, catalog
+    ).start()
+    try:
+        yield server.address, key
+    finally:
+        await server.stop(grace_s=0)
+        await tenancy.stop()
+        engine.shutdown()
+
+
+async def test_one_megabyte_prompts_do_not_stall_the_event_loop(served: tuple[str, str]) -> None:
+    address, key = served
+    rng = random.Random(0)
+    prompt = "".join(rng.choice(string.ascii_letters + " .,") for _ in range(LIMITS.max_prompt_bytes))
+    gaps: list[float] = []
+    done = asyncio.Event()
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done.is_set():
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    async def big(client: LoomClient, messages: bool) -> grpc.StatusCode:
+        request = pb.GenerateRequest(model="tiny", max_tokens=1)
+        if messages:
+            request.messages.add(role="user", content=prompt[:-64])
+        else:
+            request.prompt = prompt
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            async for _ in client.generate_call(request, timeout=120):
+                pass
+        return refused.value.code()
+
+    async with LoomClient(address, key) as client:
+        tick = asyncio.create_task(ticker())
+        started = time.perf_counter()
+        codes = await asyncio.gather(*(big(client, messages=i % 2 == 1) for i in range(4)))
+        elapsed = time.perf_counter() - started
+        done.set()
+        await tick
+    # Tokenized (seconds of work), then refused: a million tokens leave no room in the context.
+    assert codes == [grpc.StatusCode.INVALID_ARGUMENT] * 4
+    # The loop kept turning: no stall near the length of a tokenization (about a second each).
+    assert max(gaps) < 0.25 * elapsed, (max(gaps), elapsed)
