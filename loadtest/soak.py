@@ -467,15 +467,35 @@ async def _progress(run: Run, until: float, say: Any) -> None:
         say(f"  {run.now():.0f} s: {done}, {left:.0f} s left")
 
 
-def _growth(samples: list[float | None]) -> dict[str, float | None]:
-    values = [s for s in samples if s is not None]
+def _growth(samples: list[tuple[float, float | None]]) -> dict[str, float | None]:
+    """Resident memory over a process's samples ((seconds, MiB)): first, last, max, growth, and the growth
+    rate over the last two minutes of its samples (whether it still grows at the end; a process that
+    lived less than three minutes has none: its first minute is warm-up, kernels and pools filling)."""
+    values = [(t, mb) for t, mb in samples if mb is not None]
+    out: dict[str, float | None] = dict.fromkeys(
+        ("first_mb", "last_mb", "max_mb", "growth_mb", "mb_per_min_at_end")
+    )
     if not values:
-        return {"first_mb": None, "last_mb": None, "max_mb": None, "growth_mb": None}
+        return out
+    out["first_mb"], out["last_mb"] = round(values[0][1], 1), round(values[-1][1], 1)
+    out["max_mb"] = round(max(mb for _, mb in values), 1)
+    out["growth_mb"] = round(values[-1][1] - values[0][1], 1)
+    if values[-1][0] - values[0][0] >= 180:
+        tail = [(t, mb) for t, mb in values if t >= values[-1][0] - 120]
+        out["mb_per_min_at_end"] = round((tail[-1][1] - tail[0][1]) / (tail[-1][0] - tail[0][0]) * 60, 1)
+    return out
+
+
+def memory_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
+    """The gateway process and each replica process (a replacement is a new one) over the soak."""
+    series: dict[str, list[tuple[float, float | None]]] = {}
+    for m in samples:
+        for pid, mb in m["replicas_mb"].items():
+            series.setdefault(pid, []).append((m["at_s"], mb))
     return {
-        "first_mb": round(values[0], 1),
-        "last_mb": round(values[-1], 1),
-        "max_mb": round(max(values), 1),
-        "growth_mb": round(values[-1] - values[0], 1),
+        "gateway": _growth([(m["at_s"], m["gateway_mb"]) for m in samples]),
+        "replicas": {pid: _growth(points) for pid, points in series.items()},
+        "samples": samples,
     }
 
 
@@ -490,13 +510,6 @@ def _summary(
     streams = run.streams
     codes = Counter(r.code for r in streams)
     completed = [r for r in streams if r.code == "OK" and r.finished]
-    # Memory: the gateway after warm-up (the first minute) to the end; each replica process over its life.
-    warm = [m for m in run.memory if m["at_s"] >= 60] or run.memory
-    replica_series: dict[str, list[float | None]] = {}
-    for m in run.memory:
-        for pid, mb in m["replicas_mb"].items():
-            replica_series.setdefault(pid, []).append(mb)
-    replicas = {pid: _growth(series) for pid, series in replica_series.items()}
     verdict_problems = (
         len(mismatches)
         + sum(
@@ -532,11 +545,7 @@ def _summary(
         "faults": [vars(f) for f in run.faults],
         "faults_by_kind": dict(Counter(f.kind for f in run.faults)),
         "leaks": leaks,
-        "memory": {
-            "gateway": _growth([m["gateway_mb"] for m in warm]),
-            "replicas": replicas,
-            "samples": run.memory,
-        },
+        "memory": memory_summary(run.memory),
         "problems": verdict_problems,
         "verdict": "pass" if verdict_problems == 0 else "FAIL",
     }
@@ -549,7 +558,6 @@ def to_markdown(report: dict[str, Any]) -> str:
     leaks = report.get("leaks", {})
     cfg = report["config"]
     mem = report["memory"]
-    gw = mem["gateway"]
     lines = [
         "# Soak",
         "",
@@ -609,16 +617,19 @@ def to_markdown(report: dict[str, Any]) -> str:
             )
     lines += [
         "",
-        "Resident memory (MiB): the `loom serve` process (gateway and Ray driver) from the end of the first "
-        f"minute to the end: {gw['first_mb']} -> {gw['last_mb']} (growth {gw['growth_mb']}, "
-        f"max {gw['max_mb']}). "
-        "Engine replicas, each process over its life (a killed replica is replaced by a new process):",
+        "Resident memory (MiB) of the `loom serve` process (the gateway and Ray's driver) and of each engine "
+        "replica process (a killed replica is replaced by a new process); the rate is the growth over the "
+        "process's last two minutes, per minute (none for a process that lived less than three):",
         "",
-        "| replica pid | first | last | max | growth |",
-        "|---|---:|---:|---:|---:|",
+        "| process | first | last | max | growth | MiB/min at the end |",
+        "|---|---:|---:|---:|---:|---:|",
         *(
-            f"| {pid} | {g['first_mb']} | {g['last_mb']} | {g['max_mb']} | {g['growth_mb']} |"
-            for pid, g in mem["replicas"].items()
+            f"| {name} | {g['first_mb']} | {g['last_mb']} | {g['max_mb']} | {g['growth_mb']} | "
+            f"{g['mb_per_min_at_end'] if g['mb_per_min_at_end'] is not None else '-'} |"
+            for name, g in [
+                ("gateway", mem["gateway"]),
+                *((f"replica {p}", g) for p, g in mem["replicas"].items()),
+            ]
         ),
         "",
         f"The server exited with status {report.get('server_exit_code')} after SIGTERM (drain).",

@@ -6,13 +6,13 @@ loadtest/soak_streams.py, which ``loom soak`` uses too).
 The checks are the invariants a fault must not break:
 
 * every stream that completes carries exactly the greedy tokens of an uninterrupted run
-  (:class:`GreedyReference`, the engine in this process on the same weights);
+  (``loadtest.soak_streams.GreedyReference``, the engine in this process on the same weights);
 * no KV block, running or waiting sequence is left in any replica once the traffic is over
   (:func:`pool_idle`);
 * no lease is left in the quota store, and the tenant's concurrency slots all come back
-  (:func:`leases_of`, :func:`slots_come_back`);
-* the usage metered for a tenant equals the tokens its clients received (:func:`usage_of`,
-  :func:`billed_of` per request).
+  (:meth:`Tenants.leases`, :func:`slots_come_back`);
+* the usage metered for a tenant equals the tokens its clients received (:meth:`Tenants.usage`, and
+  :meth:`Tenants.billed` per request).
 """
 
 from __future__ import annotations
@@ -34,10 +34,7 @@ from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tenancy.redis_layout import RedisLayout
 from tests.helpers import eventually
-from worker.api import (
-    EngineConfig,
-    process_registry,
-)
+from worker.api import EngineConfig, process_registry
 
 TINY = "tiny"
 SECRET = "faults-test-secret-0123456789abcdef"
