@@ -820,7 +820,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--out", type=Path, default=RESULTS_DIR, help="where simulator.json/.md and plots go")
     p.add_argument(
-        "--quick", action="store_true", help="fewer requests, H100 only, no 70B pooling (about 1 min)"
+        "--quick",
+        action="store_true",
+        help="fewer requests, H100 only, no 70B pooling (about a third of the time)",
     )
     p.add_argument("--workload", type=Path, default=None, help="what-if: run this workload file instead")
     p.add_argument("--model", choices=sorted(MODELS), default="llama-3-8b")

@@ -287,13 +287,26 @@ def sweep_point(
     }
 
 
+def _credible_slope(xs: list[float], ys: list[float]) -> float:
+    """The least-squares slope shrunk towards zero by two standard errors (zero if within them): a
+    drift the data cannot tell from noise is no drift."""
+    x, y = np.asarray(xs), np.asarray(ys)
+    slope, intercept = np.polyfit(x, y, 1)
+    n = len(x)
+    resid = y - (slope * x + intercept)
+    sxx = float(((x - x.mean()) ** 2).sum())
+    se = math.sqrt(float((resid**2).sum()) / (n - 2) / sxx) if n > 2 and sxx > 0 else math.inf
+    return float(math.copysign(max(0.0, abs(slope) - 2 * se), slope))
+
+
 def ttft_growth(records: Sequence[RequestRecord], window_s: float) -> float | None:
     """How fast TTFT drifts with arrival time over the last two thirds of the window (the first third
-    is the warm-up from an idle server): the least-squares slope, in seconds per second, per priority
-    class; the class drifting most, with its sign. A queue growing because arrivals exceed service by
-    5% drifts up at about 0.05; a class starved by strict priority drifts *down* (its requests are all
-    served once the higher classes stop arriving, whenever they came). None with fewer than 10
-    answered requests in every class; inf if one of them was never answered."""
+    is the warm-up from an idle server), in seconds per second, per priority class: the least-squares
+    slope less two standard errors (static batching's TTFTs swing by a whole cohort's length, so a
+    slope alone is noise at low rates); the class drifting most, with its sign. A queue growing
+    because arrivals exceed service by 5% drifts up at about 0.05; a class starved by strict priority
+    drifts *down* (its requests are all served once the higher classes stop arriving, whenever they
+    came). None with fewer than 10 answered requests in every class; inf if one was never answered."""
     by_class: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
     for r in records:
         t = r.ttft
@@ -303,11 +316,7 @@ def ttft_growth(records: Sequence[RequestRecord], window_s: float) -> float | No
             xs, ys = by_class[r.priority]
             xs.append(r.scheduled_s)
             ys.append(t)
-    slopes = [
-        float(np.polyfit(np.asarray(xs), np.asarray(ys), 1)[0])
-        for xs, ys in by_class.values()
-        if len(xs) >= 10 and max(xs) > min(xs)
-    ]
+    slopes = [_credible_slope(xs, ys) for xs, ys in by_class.values() if len(xs) >= 10 and max(xs) > min(xs)]
     return max(slopes, key=abs) if slopes else None
 
 
