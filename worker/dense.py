@@ -3,8 +3,10 @@
 A plain fp32 GEMM re-packs the weight on every call; at decode batch sizes (8-128 rows) that costs
 as much as the math. Reordering each weight once into oneDNN's blocked layout made the projections
 1.2-1.7x faster on the 2-core development machine (measured in loadtest/results/engine.md's run).
-Single rows (one decoding user) stream the plain weight faster, so both copies are kept. Where
-oneDNN is missing or disagrees with the plain GEMM, the plain path is used.
+The packed weight is faster at every row count measured, single rows included (the lm_head at 1-7
+rows: 1.2-4.5 ms packed against 6.4-25.7 ms plain, loadtest/results/calibration.md), so it serves every
+call and the plain copy is dropped. Where oneDNN is missing or disagrees with the plain GEMM, the plain
+weight is kept and used.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import torch.nn.functional as F
 log = logging.getLogger(__name__)
 
 _PACK_BATCH_HINT = 64  # rows the blocked layout is tuned for; any row count works
-_PACKED_MIN_ROWS = 8  # below this the plain GEMV-like path streams the weight faster
 
 
 def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
@@ -42,7 +43,7 @@ class Dense:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size()
-        self._weight = weight
+        self._weight: torch.Tensor | None = weight
         self._packed: torch.Tensor | None = None
         if prepack and _onednn_usable(weight.device, weight.dtype):
             try:
@@ -53,12 +54,14 @@ class Dense:
                 tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16 rounds its output
                 if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())):
                     self._packed = packed
+                    self._weight = None  # one copy of the weights, not two
                 else:
                     log.warning("oneDNN linear disagrees with the plain GEMM; using the plain path")
             except RuntimeError as exc:  # an op missing from this torch build
                 log.info("oneDNN prepacking unavailable (%s); using the plain GEMM", exc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self._packed is not None and x.shape[0] >= _PACKED_MIN_ROWS:
+        if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+        assert self._weight is not None
         return F.linear(x, self._weight, self.bias)
