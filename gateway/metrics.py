@@ -127,6 +127,25 @@ _PER_REPLICA: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] =
         lambda s: s.busy_fraction,
     ),
     ("loom:engine_steps", "counter", "Forward steps run.", lambda s: s.num_steps),
+    ("loom:engine_step_seconds", "counter", "Time inside forward steps.", lambda s: s.step_seconds),
+    (
+        "loom:engine_step_seq_seconds",
+        "counter",
+        "Live sequences times step seconds (slot occupancy: rate over step_seconds rate, over capacity).",
+        lambda s: s.step_seq_seconds,
+    ),
+    (
+        "loom:engine_step_bytes",
+        "counter",
+        "Weights plus K/V read and written by the steps (bandwidth utilization).",
+        lambda s: s.step_bytes,
+    ),
+    (
+        "loom:engine_recomputed_tokens",
+        "counter",
+        "Tokens computed again after a preemption (waste).",
+        lambda s: s.recomputed_tokens,
+    ),
     ("loom:engine_computed_tokens", "counter", "Tokens run through the model.", lambda s: s.computed_tokens),
     (
         "loom:engine_padding_tokens",

@@ -28,7 +28,7 @@ from worker.request import (
     RequestOutput,
     TokenLogprob,
 )
-from worker.scheduler import Scheduler, SchedulerConfig
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
 from worker.stats import EngineStats
 
@@ -74,6 +74,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters()
+        self._weight_bytes = self.model.weight_bytes()
+        self._kv_bytes_per_token = self.kv_cache.bytes_per_token()
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -138,7 +140,7 @@ class LLMEngine:
             self.counters.consecutive_failed_steps += 1
             error = f"{type(exc).__name__}: {exc}"
             return [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
-        self.counters.record_step(t0, time.monotonic(), batch)
+        self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
         # A row with non-finite logits fails its own request; the rest of the batch goes on.
         failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
         updates = self.scheduler.update_from_output(batch, result.sampled)
@@ -148,6 +150,13 @@ class LLMEngine:
         return outputs
 
     # ---- stats ---------------------------------------------------------------------------------
+
+    def _step_bytes(self, batch: ScheduledBatch) -> int:
+        """What a step must move at least: every weight once, the K/V it reads and the K/V it writes."""
+        kv_read = sum(
+            seq.num_computed_tokens + n for seq, n in zip(batch.seqs, batch.num_tokens, strict=True)
+        )
+        return self._weight_bytes + (kv_read + batch.total_tokens) * self._kv_bytes_per_token
 
     def stats(self) -> EngineStats:
         return self.counters.snapshot(self.scheduler, self.block_manager, self.lora)

@@ -21,6 +21,9 @@ class EngineCounters:
     steps: int = 0
     step_tokens: int = 0
     padding_tokens: int = 0
+    step_seconds: float = 0.0
+    step_seq_seconds: float = 0.0
+    step_bytes: int = 0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     last_step_padding: int = 0
@@ -31,8 +34,11 @@ class EngineCounters:
     started: float = field(default_factory=time.monotonic)
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of recent steps
 
-    def record_step(self, t0: float, t1: float, batch: ScheduledBatch) -> None:
+    def record_step(self, t0: float, t1: float, batch: ScheduledBatch, step_bytes: int) -> None:
         tokens, seqs, padding = batch.total_tokens, len(batch.seqs), batch.num_padding
+        self.step_seconds += t1 - t0
+        self.step_seq_seconds += (seqs - padding) * (t1 - t0)
+        self.step_bytes += step_bytes
         self.steps += 1
         self.consecutive_failed_steps = 0
         self.step_tokens += tokens
@@ -61,6 +67,10 @@ class EngineCounters:
             last_step_padding_seqs=self.last_step_padding,
             computed_tokens=self.step_tokens,
             padding_tokens=self.padding_tokens,
+            recomputed_tokens=scheduler.num_recomputed_tokens,
+            step_seconds=self.step_seconds,
+            step_seq_seconds=self.step_seq_seconds,
+            step_bytes=self.step_bytes,
             busy_fraction=busy / max(now - window_start, 1e-9),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,

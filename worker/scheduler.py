@@ -139,6 +139,7 @@ class Scheduler:
         self.waiting: dict[Priority, dict[str, deque[Sequence]]] = {p: {} for p in Priority}
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_recomputed_tokens = 0  # computed again after a preemption freed them (waste)
         self._by_id: dict[str, Sequence] = {}
 
     # ---- queue management ----------------------------------------------------------------------
@@ -379,7 +380,11 @@ class Scheduler:
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.status is SequenceStatus.FINISHED:  # padding released when its cohort ended above
                 continue
-            seq.num_computed_tokens += n
+            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + n
+            self.num_recomputed_tokens += max(
+                0, min(seq.num_computed_tokens, seq.computed_high_water) - start
+            )
+            seq.computed_high_water = max(seq.computed_high_water, seq.num_computed_tokens)
             self.bm.register_full_blocks(seq)
             token = sampled.get(seq)
             if token is None:  # a prefill chunk that has not reached the prompt's end

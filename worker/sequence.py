@@ -43,6 +43,7 @@ class Sequence:
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    computed_high_water: int = 0  # the most tokens ever computed (a preempted sequence recomputes below it)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # chained hashes of its full blocks, in order
     num_registered_blocks: int = 0  # leading blocks already findable in the prefix cache

@@ -138,6 +138,11 @@ def test_stats_report_load(tiny_engine: LLMEngine) -> None:
     assert s.running == {"interactive": 1, "standard": 0, "batch": 1}
     assert s.kv_blocks_used == 6 and s.kv_blocks_total == 128
     assert s.last_step_tokens == 40 and s.busy_fraction > 0
+    # The counters utilization is computed from (docs/utilization.md).
+    assert s.computed_tokens == 40 and s.padding_tokens == 0 and s.recomputed_tokens == 0
+    assert s.step_seconds > 0 and s.step_seq_seconds == pytest.approx(2 * s.step_seconds)
+    kv_per_token = tiny_engine.kv_cache.bytes_per_token()
+    assert s.step_bytes == tiny_engine.model.weight_bytes() + (40 + 40) * kv_per_token  # read + written
     tiny_engine.abort("i")
     tiny_engine.abort("b")
 

@@ -106,5 +106,7 @@ def test_preemption_and_recompute(
     engine = _engine(smollm, block_size=8, num_blocks=14, enable_prefix_caching=caching)
     outs = engine.run_to_completion([_req(i, ids) for i, ids in enumerate(prompt_ids)])
     assert engine.stats().num_preemptions > 0
+    stats = engine.stats()
+    assert 0 < stats.recomputed_tokens < stats.computed_tokens  # the preempted work, counted as waste
     assert _tokens(outs, len(prompt_ids)) == hf_reference
     _assert_all_free(engine)
