@@ -4,6 +4,9 @@ The workload file says everything (loadtest/workloads/*.yaml); flags override th
 change from run to run (address, keys, rate, duration, caps, output folder). Exit status: 0 when
 the run completed (whatever the server answered: refusals are results), 2 for a bad workload or
 flag, 3 when not a single request succeeded (the target is probably not there).
+
+``--front grpc|http`` sends every tenant through one front (else each tenant's ``front``, else the
+workload's); ``--copy-bandwidth-gbs`` gives the report's MBU (else GB/s moved only).
 """
 
 from __future__ import annotations
@@ -18,7 +21,15 @@ from typing import Any
 
 from rich.console import Console
 
-from loadtest.driver import GrpcDriver, NotLoopbackError, require_loopback, require_loopback_url
+from loadtest.driver import (
+    Driver,
+    GrpcDriver,
+    HttpDriver,
+    NotLoopbackError,
+    PerTenantDriver,
+    require_loopback,
+    require_loopback_url,
+)
 from loadtest.generator import plan_workload
 from loadtest.prometheus import MetricsSampler
 from loadtest.report import build_report, write_report
@@ -36,7 +47,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("workload", type=Path, help="a workload file (see loadtest/workloads/)")
-    p.add_argument("--address", default=None, help="host:port of the gateway (loopback only)")
+    p.add_argument("--address", default=None, help="host:port of the gateway's gRPC (loopback only)")
+    p.add_argument(
+        "--http-address", default=None, help="host:port of the gateway's HTTP front (loopback only)"
+    )
+    p.add_argument(
+        "--front",
+        choices=("grpc", "http"),
+        default=None,
+        help="send every tenant's requests through this front (overrides the workload's front fields)",
+    )
+    p.add_argument(
+        "--copy-bandwidth-gbs",
+        type=float,
+        default=None,
+        help="the serving device's measured copy bandwidth (GB/s, bytes read + written): gives MBU; "
+        "without it the report gives the GB/s the steps moved and leaves MBU empty",
+    )
     p.add_argument(
         "--api-key", action="append", default=[], metavar="TENANT=KEY", help="a tenant's key (repeatable)"
     )
@@ -61,6 +88,12 @@ def _overrides(w: Workload, args: argparse.Namespace, source: str) -> Workload:
     data = w.model_dump(mode="json")
     if args.address:
         data["target"]["address"] = args.address
+    if args.http_address:
+        data["target"]["http_address"] = args.http_address
+    if args.front:
+        data["front"] = args.front
+        for tenant in data["tenants"]:
+            tenant["front"] = None
     if args.model:
         data["target"]["model"] = args.model
     if args.metrics_url:
@@ -90,7 +123,13 @@ def main(args: argparse.Namespace) -> int:
     err = Console(stderr=True)
     try:
         w = _overrides(load_workload(args.workload), args, str(args.workload))
-        require_loopback(w.target.address)
+        fronts = set(w.fronts.values())
+        if "grpc" in fronts:
+            require_loopback(w.target.address)
+        if "http" in fronts:
+            require_loopback(w.target.http_address)
+        if args.copy_bandwidth_gbs is not None and args.copy_bandwidth_gbs <= 0:
+            raise ValueError("--copy-bandwidth-gbs must be positive")
         if w.target.metrics_url:
             require_loopback_url(w.target.metrics_url)
         plan = plan_workload(w, rate=args.rate, duration_s=args.duration)
@@ -103,13 +142,16 @@ def main(args: argparse.Namespace) -> int:
         return 2
     out = args.out or RUNS_DIR / f"{w.name}-{time.strftime('%Y%m%d-%H%M%S')}"
     err.print(
-        f"{w.name}: {len(plan.requests)} requests in {len(plan.stages)} stage(s) to {w.target.address}, "
+        f"{w.name}: {len(plan.requests)} requests in {len(plan.stages)} stage(s) to {_where(w)}, "
         f"at most {w.max_seconds:g} s; report in {out}",
         highlight=False,
     )
-    report = asyncio.run(_run(w, plan, keys, args.quiet, err))
+    report = asyncio.run(_run(w, plan, keys, args.quiet, err, args.copy_bandwidth_gbs))
     report["options"] = {
         "address": w.target.address,
+        "http_address": w.target.http_address,
+        "fronts": w.fronts,
+        "copy_bandwidth_gbs": args.copy_bandwidth_gbs,
         "rate": args.rate,
         "argv": sys.argv[1:] if sys.argv else [],
     }
@@ -128,12 +170,40 @@ def main(args: argparse.Namespace) -> int:
     return 0 if ok else 3
 
 
-async def _run(w: Workload, plan: Any, keys: dict[str, str], quiet: bool, console: Console) -> dict[str, Any]:
-    driver = GrpcDriver(w.target.address, keys)
+def _where(w: Workload) -> str:
+    fronts = set(w.fronts.values())
+    where = {"grpc": w.target.address, "http": w.target.http_address}
+    return ", ".join(f"{where[f]} ({f})" for f in sorted(fronts))
+
+
+def _driver(w: Workload, keys: dict[str, str]) -> Driver:
+    """One driver per front in use, each with the keys of the tenants it serves."""
+    fronts = w.fronts
+    drivers: dict[str, Driver] = {}
+    for front in sorted(set(fronts.values())):
+        mine = {t: k for t, k in keys.items() if fronts[t] == front}
+        if front == "http":
+            drivers[front] = HttpDriver(w.target.http_address, mine)
+        else:
+            drivers[front] = GrpcDriver(w.target.address, mine)
+    if len(drivers) == 1:
+        return next(iter(drivers.values()))
+    return PerTenantDriver(drivers, fronts)
+
+
+async def _run(
+    w: Workload,
+    plan: Any,
+    keys: dict[str, str],
+    quiet: bool,
+    console: Console,
+    copy_bandwidth_gbs: float | None = None,
+) -> dict[str, Any]:
+    driver = _driver(w, keys)
     sampler = MetricsSampler(w.target.metrics_url) if w.target.metrics_url else None
     try:
         runner = Runner(w, plan, driver, sampler=sampler, console=console, live=not quiet)
         result = await runner.run()
     finally:
         await driver.close()
-    return build_report(w, plan, result, {"address": w.target.address})
+    return build_report(w, plan, result, {"address": w.target.address}, copy_bandwidth_gbs)

@@ -1,6 +1,11 @@
 """The load test's report: ``report.json`` (everything, per request too), ``report.md`` (the tables a
 reader wants) and PNG plots (latency over time with the engine gauges under it; for a sweep, the knee).
 
+Per stage and per replica it also gives the utilization figures of docs/utilization.md, computed
+from the engines' counters over the stage's window (loadtest.prometheus.utilization): step-busy
+fraction, slot occupancy, useful-token fraction, KV blocks in use, GB/s moved and, when the copy
+bandwidth was measured and given (``--copy-bandwidth-gbs``), MBU.
+
 Everything is computed from the run's records by the plain functions of loadtest.stats, so the
 report of a run can be rebuilt from its JSON and the same numbers come out.
 """
@@ -15,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.generator import Plan
-from loadtest.prometheus import series, summarize_samples
+from loadtest.prometheus import series, summarize_samples, utilization, utilization_series
 from loadtest.runner import RunResult, describe_plan, records_of, stage_window
 from loadtest.stats import SloSpec, find_knee, grouped, sweep_point, timeline
 from loadtest.workload import Workload
@@ -37,7 +42,11 @@ def _clean(x: Any) -> Any:
 
 
 def build_report(
-    workload: Workload, plan: Plan, result: RunResult, options: dict[str, Any]
+    workload: Workload,
+    plan: Plan,
+    result: RunResult,
+    options: dict[str, Any],
+    copy_bandwidth_gbs: float | None = None,
 ) -> dict[str, Any]:
     slo = SloSpec(workload.slo.ttft_s, workload.slo.itl_s)
     samples = result.metrics.samples if result.metrics is not None else []
@@ -55,6 +64,7 @@ def build_report(
                 "point": sweep_point(st.stage.offered_rate, st.records, window, slo),
                 "stats": grouped(st.records, window, slo),
                 "engine": summarize_samples(samples, st.started_s, st.started_s + window),
+                "utilization": utilization(samples, st.started_s, st.started_s + window, copy_bandwidth_gbs),
                 "timeline": timeline(
                     st.records, max(0.5, window / 60), max(window, st.ended_s - st.started_s)
                 ),
@@ -75,7 +85,9 @@ def build_report(
             "failed_scrapes": result.metrics.errors if result.metrics is not None else 0,
             "last_error": result.metrics.last_error if result.metrics is not None else None,
             "series": series(samples),
+            "utilization_series": utilization_series(samples),
         },
+        "copy_bandwidth_gbs": copy_bandwidth_gbs,
         "versions": {"python": platform.python_version()},
         "requests": [r.to_dict() for r in records_of(result)],
     }
@@ -126,7 +138,7 @@ def to_markdown(rep: dict[str, Any]) -> str:
     L = [
         f"# Load test `{w['name']}` (run {rep['run_id']})",
         "",
-        f"{rep['date']}; target {rep['options']['address']} ({w['target']['driver']}), model "
+        f"{rep['date']}; target {_targets(rep)}, model "
         f"`{w['target']['model']}`; {rep['plan']['requests']} requests planned (seed {w['seed']}"
         f"{', truncated by max_requests' if rep['plan']['truncated_by_max_requests'] else ''}), "
         f"wall {rep['wall_s']:.1f} s. SLO: TTFT <= {slo['ttft_s'] * 1e3:.0f} ms and mean ITL (TPOT) <= "
@@ -171,6 +183,8 @@ def to_markdown(rep: dict[str, Any]) -> str:
         L += ["", *_group_table(s["priorities"], "priority (requested)")]
         if len(s["tenant_priority"]) > len(s["tenants"]):
             L += ["", *_group_table(s["tenant_priority"], "tenant/priority")]
+        if s.get("fronts"):
+            L += ["", *_group_table(s["fronts"], "front")]
         lag = s["overall"]["send_lag_s"]
         if lag["n"]:
             L += [
@@ -201,11 +215,85 @@ def to_markdown(rep: dict[str, Any]) -> str:
                     f"| {replica} | {mm('num_requests_running')} | {mm('num_requests_waiting')} "
                     f"| {mm('kv_cache_usage_perc', True)} | {mm('engine_busy_fraction', True)} |"
                 )
+        if st.get("utilization") is not None:
+            L += _utilization_table(st["utilization"], m_url=rep["metrics"]["url"])
     m = rep["metrics"]
     if m["url"]:
         L += ["", f"Metrics: {m['samples']} scrapes of {m['url']}, {m['failed_scrapes']} failed."]
     L += ["", "![latency over time](latency.png)"]
     return "\n".join(L) + "\n"
+
+
+def _targets(rep: dict[str, Any]) -> str:
+    """Where the load went: each front used and its address."""
+    w = rep["workload"]
+    fronts = sorted({t.get("front") or w.get("front", "grpc") for t in w["tenants"]})
+    opts = rep["options"]
+    where = {
+        "grpc": opts.get("address") or w["target"]["address"],
+        "http": opts.get("http_address") or w["target"].get("http_address"),
+    }
+    return ", ".join(f"{where.get(f)} ({f})" for f in fronts)
+
+
+def _pct(x: Any) -> str:
+    return "-" if x is None else f"{float(x):.1%}"
+
+
+def _utilization_table(u: dict[str, Any], m_url: str | None) -> list[str]:
+    if not m_url:
+        return []
+    rows = dict(u["replicas"])
+    if u.get("all"):
+        rows["all replicas"] = u["all"]
+    L = [""]
+    if not rows:
+        return [
+            "",
+            "Utilization: no replica had two scrapes of the engine counters inside the window "
+            "(the gateway may predate them, or the window is shorter than the scrape interval).",
+        ]
+    bw = u.get("copy_bandwidth_gbs")
+    L += [
+        "Utilization over the window, from the replicas' counters (docs/utilization.md): step-busy = "
+        "step seconds / wall seconds; slot occupancy = live-sequence step seconds / (step seconds x "
+        "batch capacity); useful tokens = 1 - (padding + recomputed) / computed; KV = blocks in use / "
+        "blocks, mean / max over the scrapes; GB/s = bytes the steps moved (weights + K/V read and "
+        "written) per wall second and per second of step time.",
+        "",
+        "| replica | window s | step-busy | slot occupancy | useful tokens | KV blocks in use "
+        "| steps/s | mean step ms | GB/s wall / in steps | MBU in steps / wall |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, f in rows.items():
+        mbu = f"{_pct(f['mbu'])} / {_pct(f['mbu_wall'])}" if f.get("mbu") is not None else "-"
+        step_ms = f"{f['mean_step_s'] * 1e3:.1f}" if f.get("mean_step_s") is not None else "-"
+        busy_gbs = f"{f['gb_per_s_busy']:.2f}" if f.get("gb_per_s_busy") is not None else "-"
+        restarts = (
+            f" ({f['restarts']} restart{'s' if f['restarts'] != 1 else ''})" if f.get("restarts") else ""
+        )
+        L.append(
+            f"| {name}{restarts} | {f['wall_s']:.1f} | {_pct(f['busy_fraction'])} "
+            f"| {_pct(f['slot_occupancy'])} | {_pct(f['useful_token_fraction'])} "
+            f"| {_pct(f['kv_blocks_in_use'])} / "
+            f"{_pct(f['kv_blocks_in_use_max'])} | {f['steps_per_s']:.1f} | {step_ms} "
+            f"| {f['gb_per_s_wall']:.2f} / {busy_gbs} | {mbu} |"
+        )
+    if bw:
+        L += [
+            "",
+            f"MBU = bytes moved per second of step time / the copy bandwidth given ({bw:g} GB/s, "
+            "--copy-bandwidth-gbs); 'wall' divides by wall time instead.",
+        ]
+    else:
+        L += [
+            "",
+            "MBU is left empty: no copy bandwidth was given (--copy-bandwidth-gbs, measured on the "
+            "serving machine); the bytes moved are reported in GB/s instead.",
+        ]
+    if u.get("skipped"):
+        L += ["", f"Fewer than two scrapes in the window, not reported: {', '.join(u['skipped'])}."]
+    return L
 
 
 # ---- plots -----------------------------------------------------------------------------------------
@@ -245,8 +333,12 @@ def plot(rep: dict[str, Any], out_dir: Path) -> list[Path]:
             for name, (ts, vs) in gauges.items():
                 if name in ("num_requests_running", "num_requests_waiting"):
                     ax.plot(ts, vs, label=f"{replica} {name.removeprefix('num_requests_')}")
-                else:
+                elif name != "engine_busy_fraction" or not rep["metrics"].get("utilization_series"):
                     ax2.plot(ts, vs, ls="--", label=f"{replica} {name}")
+        for replica, figs in (rep["metrics"].get("utilization_series") or {}).items():
+            for name, (ts, vs) in figs.items():
+                if ts:
+                    ax2.plot(ts, vs, ls=":", label=f"{replica} {name.replace('_', ' ')}")
         top = max(
             (max(vs) for g in engine.values() for n, (_, vs) in g.items() if n.startswith("num_")), default=0
         )

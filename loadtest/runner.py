@@ -120,6 +120,7 @@ class Runner:
                 stage=stage.index,
                 max_tokens=r.max_tokens,
                 code=INCOMPLETE,
+                front=self.w.front_of(r.tenant),
             )
             for r in stage.requests
         ]

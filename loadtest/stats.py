@@ -69,6 +69,7 @@ class RequestRecord:
     code: str = OK
     finish_reason: str | None = None
     error: str | None = None
+    front: str = ""  # grpc or http ("" where there is no front: the simulator)
 
     @property
     def timed(self) -> bool:
@@ -125,6 +126,7 @@ class RequestRecord:
             "code": self.code,
             "finish_reason": self.finish_reason,
             "error": self.error,
+            **({"front": self.front} if self.front else {}),
         }
 
 
@@ -241,15 +243,23 @@ def group_summary(records: Sequence[RequestRecord], window_s: float, slo: SloSpe
 
 
 def grouped(records: Sequence[RequestRecord], window_s: float, slo: SloSpec) -> dict[str, Any]:
-    """Overall, per tenant, per (requested) priority, and per tenant and priority."""
+    """Overall, per tenant, per (requested) priority, and per tenant and priority; per front too
+    (``fronts``) when the records went through more than one."""
     by_tenant: dict[str, list[RequestRecord]] = defaultdict(list)
     by_prio: dict[str, list[RequestRecord]] = defaultdict(list)
     by_both: dict[str, list[RequestRecord]] = defaultdict(list)
+    by_front: dict[str, list[RequestRecord]] = defaultdict(list)
     for r in records:
         by_tenant[r.tenant].append(r)
         by_prio[r.priority].append(r)
         by_both[f"{r.tenant}/{r.priority}"].append(r)
+        by_front[r.front].append(r)
     order = {"interactive": 0, "standard": 1, "batch": 2}
+    fronts = (
+        {"fronts": {k: group_summary(v, window_s, slo) for k, v in sorted(by_front.items())}}
+        if len(by_front) > 1
+        else {}
+    )
     return {
         "overall": group_summary(records, window_s, slo),
         "tenants": {k: group_summary(v, window_s, slo) for k, v in sorted(by_tenant.items())},
@@ -258,6 +268,7 @@ def grouped(records: Sequence[RequestRecord], window_s: float, slo: SloSpec) -> 
             for k, v in sorted(by_prio.items(), key=lambda kv: order.get(kv[0], 9))
         },
         "tenant_priority": {k: group_summary(v, window_s, slo) for k, v in sorted(by_both.items())},
+        **fronts,
     }
 
 

@@ -32,6 +32,9 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
+Front = Literal["grpc", "http"]  # the gateway's gRPC service, or its OpenAI-compatible HTTP front
+
+
 # ---- length distributions -----------------------------------------------------------------------
 
 
@@ -169,6 +172,9 @@ class TenantLoad(_Strict):
     weight: float = Field(
         1.0, gt=0, description="its fair-share weight in the tenant store (the simulator uses it)"
     )
+    front: Front | None = Field(
+        None, description="the front its requests go through; default: the workload's"
+    )
 
     @field_validator("priorities")
     @classmethod
@@ -183,12 +189,23 @@ class TenantLoad(_Strict):
 
 
 class Target(_Strict):
-    address: str = Field("127.0.0.1:50051", min_length=1)
+    address: str = Field("127.0.0.1:50051", min_length=1, description="the gateway's gRPC host:port")
+    http_address: str = Field(
+        "127.0.0.1:8000", min_length=1, description="the OpenAI-compatible HTTP front's host:port"
+    )
     model: str = Field("smollm2-135m-instruct", min_length=1)
     metrics_url: str | None = Field(
         "http://127.0.0.1:9464/metrics", description="the gateway's Prometheus endpoint; null: none"
     )
-    driver: Literal["grpc"] = Field("grpc", description="the front to drive (an HTTP driver can follow)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_driver(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "driver" in data:
+            raise ValueError(
+                "'target.driver' is now the workload's (or a tenant's) 'front: grpc|http'; move it there"
+            )
+        return data
 
 
 class Slo(_Strict):
@@ -223,6 +240,9 @@ class Workload(_Strict):
     )
     temperature: float = Field(0.0, ge=0, le=2)
     chat: bool = Field(False, description="send messages (chat template) instead of a raw prompt")
+    front: Front = Field(
+        "grpc", description="grpc (loom.v1.Inference) or http (/v1/completions, chat: /v1/chat/completions)"
+    )
     slo: Slo = Field(default_factory=Slo)
     tenants: list[TenantLoad] = Field(min_length=1)
 
@@ -247,6 +267,18 @@ class Workload(_Strict):
             if own:
                 raise ValueError(f"in a sweep every tenant shares its rate; {', '.join(own)} set their own")
         return self
+
+    def front_of(self, tenant: str) -> str:
+        """The front ``tenant``'s requests go through: its own ``front``, else the workload's."""
+        for t in self.tenants:
+            if t.name == tenant:
+                return t.front or self.front
+        raise KeyError(tenant)
+
+    @property
+    def fronts(self) -> dict[str, str]:
+        """{tenant: front} for every tenant."""
+        return {t.name: t.front or self.front for t in self.tenants}
 
     @property
     def is_sweep(self) -> bool:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 import random
 import statistics
@@ -85,6 +86,11 @@ def test_a_workload_file_parses(tmp_path: Path) -> None:
             "burst_s (9.0) is longer than period_s (5.0)",
         ),
         ("name: x\ntenants: []\narrival: {process: poisson, rate: 1}\n", "tenants"),
+        ("name: x\nfront: rest\ntenants: [{name: a}]\narrival: {process: poisson, rate: 1}\n", "front"),
+        (
+            "name: x\ntarget: {driver: grpc}\ntenants: [{name: a}]\narrival: {process: poisson, rate: 1}\n",
+            "'front: grpc|http'",
+        ),
     ],
 )
 def test_bad_workloads_fail_with_the_field_named(tmp_path: Path, text: str, expected: str) -> None:
@@ -119,6 +125,34 @@ def test_missing_keys_are_named_per_tenant() -> None:
         w.resolve_keys(env={})
     with pytest.raises(WorkloadError, match="not in the workload: b"):
         w.resolve_keys({"b": "k"}, env={})
+
+
+def test_the_front_is_the_tenants_own_else_the_workloads() -> None:
+    base = {"name": "x", "arrival": {"process": "poisson", "rate": 1}}
+    w = parse_workload({**base, "tenants": [{"name": "a"}, {"name": "b", "front": "http"}]})
+    assert w.front == "grpc" and w.fronts == {"a": "grpc", "b": "http"}
+    assert w.front_of("b") == "http" and w.target.http_address == "127.0.0.1:8000"
+    w = parse_workload({**base, "front": "http", "tenants": [{"name": "a"}, {"name": "b", "front": "grpc"}]})
+    assert w.fronts == {"a": "http", "b": "grpc"}
+    with pytest.raises(KeyError):
+        w.front_of("nobody")
+
+
+def test_the_front_flag_sends_every_tenant_through_one_front(tmp_path: Path) -> None:
+    from loadtest.loadtest_cli import _overrides, register
+
+    parser = argparse.ArgumentParser()
+    register(parser.add_subparsers())
+    path = tmp_path / "w.yaml"
+    path.write_text(GOOD.replace("  - {name: acme,", "  - {front: http, name: acme,"))
+    w = load_workload(path)
+    assert w.fronts == {"acme": "http", "globex": "grpc"}
+    args = parser.parse_args(["loadtest", str(path), "--front", "http", "--http-address", "127.0.0.1:9000"])
+    flagged = _overrides(w, args, str(path))
+    assert flagged.fronts == {"acme": "http", "globex": "http"}
+    assert flagged.target.http_address == "127.0.0.1:9000"
+    args = parser.parse_args(["loadtest", str(path), "--front", "grpc"])
+    assert _overrides(w, args, str(path)).fronts == {"acme": "grpc", "globex": "grpc"}
 
 
 def test_every_shipped_workload_parses() -> None:
