@@ -6,6 +6,7 @@ import asyncio
 import logging
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -26,7 +27,7 @@ from tests.gateway.conftest import private_gateway
 from tests.helpers import eventually
 
 STREAMS_PER_TENANT = 4
-MAX_TOKENS = 600
+MAX_TOKENS = 900
 
 
 async def test_replica_killed_mid_stream_loses_nothing(
@@ -53,11 +54,13 @@ async def test_replica_killed_mid_stream_loses_nothing(
                 clients = {t.id: LoomClient(server.address, key) for t, key in pair}
                 try:
                     tasks = [asyncio.create_task(grpc_stream(clients[r.tenant_id], r)) for r in streams]
-                    # Every stream is under way (some on each replica) when one replica dies.
+                    # Every stream is under way, and the replicas have published that they run them all,
+                    # when the one running the most dies.
                     await eventually(
                         lambda: min(r.tokens for r in streams) >= 10, timeout_s=60, interval_s=0.005
                     )
-                    victim = await _busiest_pid(handle)
+                    await eventually(_running(handle, len(streams)), timeout_s=30, interval_s=0.05)
+                    victim = max(replica_stats(handle).values(), key=lambda s: s.num_running).pid
                     os.kill(victim, signal.SIGKILL)
                     await asyncio.gather(*tasks)
 
@@ -86,9 +89,10 @@ async def test_replica_killed_mid_stream_loses_nothing(
         delete_prefix(settings)
 
 
-async def _busiest_pid(handle: object) -> int:
-    """The process of the replica running the most requests (by its latest published stats)."""
-    stats = replica_stats(handle)
-    if stats:
-        return max(stats.values(), key=lambda s: s.num_running).pid
-    return int((await handle.model_info.remote())["pid"])  # type: ignore[attr-defined]
+def _running(handle: object, n: int) -> Callable[[], bool]:
+    """Whether the replicas' latest published stats show ``n`` requests running in all."""
+
+    def all_running() -> bool:
+        return sum(s.num_running for s in replica_stats(handle).values()) >= n
+
+    return all_running
