@@ -40,6 +40,7 @@ import torch
 
 from loadtest import peer_vllm
 from loadtest.machine import cpu_info, cpu_line
+from loadtest.words import BENCHMARK_WORDS
 from worker.api import (
     Checkpoint,
     EngineConfig,
@@ -53,34 +54,6 @@ from worker.api import (
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
-_WORDS = (
-    "weave",
-    "loom",
-    "thread",
-    "pattern",
-    "color",
-    "market",
-    "river",
-    "mountain",
-    "history",
-    "science",
-    "music",
-    "garden",
-    "winter",
-    "machine",
-    "language",
-    "story",
-    "ocean",
-    "forest",
-    "city",
-    "travel",
-    "recipe",
-    "planet",
-    "energy",
-    "memory",
-    "friend",
-    "design",
-)
 _ASKS = [
     "Explain {a} and {b} to a child.",
     "Write a short poem about {a}.",
@@ -102,7 +75,7 @@ def make_workload(ckpt: Checkpoint, n: int, seed: int, max_output: int = 400) ->
     rng = random.Random(seed)
     items = []
     for _ in range(n):
-        words = {k: rng.choice(_WORDS) for k in "abcde"}
+        words = {k: rng.choice(BENCHMARK_WORDS) for k in "abcde"}
         text = rng.choice(_ASKS).format(**words)
         ids = ckpt.tokenizer.encode_chat([{"role": "user", "content": text}])
         out = int(min(max_output, max(4, rng.lognormvariate(math.log(40), 1.1))))

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from common import Priority
+from loadtest.words import WORDS
 from loadtest.workload import (
     Arrival,
     BurstyArrival,
@@ -248,51 +249,10 @@ def plan_workload(
 
 # ---- prompt text --------------------------------------------------------------------------------
 
-_WORDS = (
-    "loom",
-    "weave",
-    "thread",
-    "pattern",
-    "color",
-    "market",
-    "river",
-    "mountain",
-    "history",
-    "science",
-    "music",
-    "garden",
-    "winter",
-    "machine",
-    "language",
-    "story",
-    "ocean",
-    "forest",
-    "city",
-    "travel",
-    "recipe",
-    "planet",
-    "energy",
-    "memory",
-    "friend",
-    "design",
-    "bridge",
-    "candle",
-    "window",
-    "orchard",
-    "harbor",
-    "lantern",
-    "meadow",
-    "signal",
-    "engine",
-    "paper",
-    "silver",
-    "morning",
-)
-
 
 def prompt_text(n_words: int, index: int, seed: int = 0) -> str:
     """A prompt of ``n_words`` common English words, different for every request (no shared prefix,
     so the prefix cache cannot make one tenant's requests cheaper than the plan says)."""
     rng = _stream(seed, "words", index)
-    words = [rng.choice(_WORDS) for _ in range(max(1, n_words - 1))]
+    words = [rng.choice(WORDS) for _ in range(max(1, n_words - 1))]
     return f"#{index} " + " ".join(words) if n_words > 1 else f"#{index}"
