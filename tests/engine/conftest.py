@@ -7,22 +7,15 @@ from typing import Any
 import pytest
 import torch
 
+from loadtest.bench_engine import REFERENCE_PROMPTS
 from loadtest.tiny_model import random_checkpoint
 from worker.checkpoint import Checkpoint, load_checkpoint
 
 torch.set_num_threads(2)
 
-# Eight chat prompts of varied length and topic; the reference tokens come from transformers.
-PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about weaving.",
-    "Explain gravity in one sentence.",
-    "List three primary colors.",
-    "Translate 'good morning' into Spanish.",
-    "Give me a short tip for learning to play the guitar as an adult beginner with little free time.",
-    "What is 12 times 7?",
-    "Describe the smell of rain.",
-]
+# Eight chat prompts of varied length and topic (the engine benchmark's reference prompts); the
+# reference tokens come from transformers.
+PROMPTS = REFERENCE_PROMPTS
 MAX_TOKENS = 24
 
 

@@ -25,8 +25,6 @@ from loadtest.bench_engine import (
 from worker.api import SchedulingMode, load_checkpoint
 from worker.checkpoint import Checkpoint
 
-from .conftest import PROMPTS
-
 
 def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path: Path) -> None:
     report = run_benchmark(
@@ -88,10 +86,6 @@ def test_greedy_agreement_is_total_in_float32_and_measured_in_bf16(tiny: Checkpo
     assert fp32["first_mismatch"] == [None, None, None]
     bf16 = greedy_agreement(tiny, "bfloat16", max_tokens=8, prompts=REFERENCE_PROMPTS[:3])
     assert bf16["positions"] == 24 and 0.5 <= bf16["top1_agreement"] <= 1.0
-
-
-def test_reference_prompts_are_the_engine_tests_prompts() -> None:
-    assert REFERENCE_PROMPTS == PROMPTS
 
 
 def test_parse_dtypes() -> None:
