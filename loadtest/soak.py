@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -177,8 +176,7 @@ class Load:
             done, _ = await asyncio.wait({task}, timeout=rng.uniform(0.0, 0.15 if early_exit else 1.0))
             if not done:
                 task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(task, return_exceptions=True)  # a cancel of ours is its result, not raised
         return r
 
     async def worker(self, run: Run, rng: random.Random, until: float) -> None:
@@ -198,16 +196,18 @@ class Load:
 
 async def inject_faults(cfg: SoakConfig, served: ServedLoom, load: Load, run: Run, until: float) -> None:
     """The fault schedule: first burst at 30 s, first kill at 60 s, first outage at 120 s, then at
-    their intervals; nothing starts that would not end before the load stops."""
+    their intervals (an interval of 0 turns a fault off); none starts that would not end before the
+    load stops."""
     rng = random.Random(cfg.seed + 1)
-    due = {"burst": 30.0, "kill": 60.0, "outage": 120.0}
     every = {"burst": cfg.burst_every_s, "kill": cfg.kill_every_s, "outage": cfg.outage_every_s}
+    due = {k: first for k, first in (("burst", 30.0), ("kill", 60.0), ("outage", 120.0)) if every[k] > 0}
     bursts: list[asyncio.Task[None]] = []
-    while True:
+    while due:
         kind = min(due, key=lambda k: due[k])
         at = run.started + due[kind]
         if at + (cfg.outage_s + 5 if kind == "outage" else 5) > until:
-            break
+            del due[kind]
+            continue
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         due[kind] += every[kind]
         if kind == "kill":
@@ -357,6 +357,8 @@ def _engine_env() -> dict[str, str]:
 
 
 async def run_soak(cfg: SoakConfig, say: Any) -> dict[str, Any]:
+    # SIGTERM ends the soak like Ctrl-C: the server it started is drained and its files removed.
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
     run = Run()
     served: ServedLoom | None = None
     if cfg.address is None:
@@ -451,8 +453,9 @@ def _idle(gauges: dict[str, Any]) -> bool:
 
 
 async def _bursts_only(cfg: SoakConfig, load: Load, run: Run, until: float) -> None:
+    """A server someone else started: disconnect bursts are the only fault the soak can inject."""
     rng = random.Random(cfg.seed + 1)
-    while time.monotonic() + cfg.burst_every_s < until:
+    while cfg.burst_every_s > 0 and time.monotonic() + cfg.burst_every_s < until:
         await asyncio.sleep(cfg.burst_every_s)
         run.faults.append(Fault(run.now(), "disconnect burst", f"{cfg.burst_size} streams leave early"))
         await load.burst(run, random.Random(rng.getrandbits(64)))
@@ -647,6 +650,7 @@ def write(report: dict[str, Any], out_dir: Path, name: str = "soak") -> None:
 
 
 async def run_fuzz(cfg: SoakConfig, n: int, say: Any) -> dict[str, Any]:
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
     served: ServedLoom | None = None
     if cfg.address is None:
         served = ServedLoom.create(1, _engine_env())
@@ -708,10 +712,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=12, help="clients looping over requests")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--replicas", type=int, default=2, help="engine replicas of the server it starts")
-    p.add_argument("--kill-every", type=float, default=150.0, help="seconds between replica SIGKILLs")
-    p.add_argument("--outage-every", type=float, default=180.0, help="seconds between Redis outages")
+    p.add_argument(
+        "--kill-every", type=float, default=150.0, help="seconds between replica SIGKILLs (0: none)"
+    )
+    p.add_argument(
+        "--outage-every", type=float, default=180.0, help="seconds between Redis outages (0: none)"
+    )
     p.add_argument("--outage", type=float, default=10.0, help="seconds Redis stays down")
-    p.add_argument("--burst-every", type=float, default=60.0, help="seconds between disconnect bursts")
+    p.add_argument(
+        "--burst-every", type=float, default=60.0, help="seconds between disconnect bursts (0: none)"
+    )
     p.add_argument("--burst-size", type=int, default=80)
     p.add_argument("--address", default=None, help="soak a running server (gRPC host:port) instead")
     p.add_argument("--http-address", default=None, help="with --address: its HTTP front (host:port)")
@@ -746,11 +756,15 @@ def _main(args: argparse.Namespace) -> int:
     def say(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
-    if args.fuzz is not None:
-        report = asyncio.run(run_fuzz(cfg, args.fuzz, say))
-        print(fuzz_markdown(report))
-        return 0 if report["verdict"] == "pass" else 1
-    report = asyncio.run(run_soak(cfg, say))
+    try:
+        if args.fuzz is not None:
+            report = asyncio.run(run_fuzz(cfg, args.fuzz, say))
+            print(fuzz_markdown(report))
+            return 0 if report["verdict"] == "pass" else 1
+        report = asyncio.run(run_soak(cfg, say))
+    except (asyncio.CancelledError, KeyboardInterrupt):
+        say("stopped before the end (the server it started was drained and removed); no report")
+        return 130
     write(report, args.out)
     print(to_markdown(report))
     return 0 if report["verdict"] == "pass" else 1
