@@ -27,6 +27,12 @@ encode_special_tokens  # worker.tokenizer
 # pydantic validators, called by pydantic.
 _coherent  # tenancy.models
 _models_non_empty  # tenancy.models
+_bounds  # loadtest.workload
+_weights  # loadtest.workload
+_burst_fits  # loadtest.workload
+_mix  # loadtest.workload
+_no_sweep  # loadtest.workload
+_no_driver  # loadtest.workload
 
 # pytest fixtures requested by name.
 ray_serve  # tests/gateway/conftest.py

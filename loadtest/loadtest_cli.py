@@ -206,4 +206,8 @@ async def _run(
         result = await runner.run()
     finally:
         await driver.close()
-    return build_report(w, plan, result, {"address": w.target.address}, copy_bandwidth_gbs)
+    report = build_report(w, plan, result, {"address": w.target.address}, copy_bandwidth_gbs)
+    # HTTP streams whose chunks came without log-probabilities had their tokens counted from text.
+    drivers = driver.drivers.values() if isinstance(driver, PerTenantDriver) else [driver]
+    report["approximate_streams"] = sum(d.approximate_streams for d in drivers if isinstance(d, HttpDriver))
+    return report

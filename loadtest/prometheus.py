@@ -209,7 +209,6 @@ class ReplicaWindow:
     capacity: float  # batch capacity (max_num_seqs), its latest value in the window
     slot_seconds: float  # step seconds x capacity (the denominator of slot occupancy)
     kv_used_mean: float | None  # blocks in use, mean over the scrapes
-    kv_used_fraction_mean: float | None
     kv_used_fraction_max: float | None
     kv_total: float | None
 
@@ -252,7 +251,6 @@ def replica_window(points: Sequence[tuple[float, Mapping[str, float]]]) -> Repli
         capacity=capacity,
         slot_seconds=step_s * capacity,
         kv_used_mean=sum(u for u, _ in kv) / len(kv) if kv else None,
-        kv_used_fraction_mean=sum(u / t for u, t in kv) / len(kv) if kv else None,
         kv_used_fraction_max=max(u / t for u, t in kv) if kv else None,
         kv_total=kv[-1][1] if kv else None,
     )

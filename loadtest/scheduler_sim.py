@@ -29,7 +29,6 @@ _ids = itertools.count()
 @dataclass
 class SimRequest:
     seq: Sequence
-    submitted_step: int
     first_scheduled_step: int | None = None
     first_token_step: int | None = None
     finished_step: int | None = None
@@ -75,7 +74,7 @@ class SchedulerSim:
             cache_salt=tenant.encode(),
         )
         self.scheduler.add(seq)
-        self.requests[rid] = SimRequest(seq, self.step_no)
+        self.requests[rid] = SimRequest(seq)
         return rid
 
     def step(self) -> ScheduledBatch:

@@ -193,11 +193,6 @@ class SloSpec:
         return tpot is None or tpot <= self.itl_s
 
 
-def goodput(records: Sequence[RequestRecord], slo: SloSpec, window_s: float) -> float:
-    """Requests per second that met the SLO (over the stage's window)."""
-    return sum(1 for r in records if slo.met_by(r)) / window_s if window_s > 0 else 0.0
-
-
 def _values(records: Iterable[RequestRecord], get: Callable[[RequestRecord], float | None]) -> list[float]:
     out = []
     for r in records:
