@@ -146,7 +146,7 @@ def main(args: argparse.Namespace) -> int:
         f"at most {w.max_seconds:g} s; report in {out}",
         highlight=False,
     )
-    report = asyncio.run(_run(w, plan, keys, args.quiet, err, args.copy_bandwidth_gbs))
+    report = asyncio.run(run_workload(w, plan, keys, args.quiet, err, args.copy_bandwidth_gbs))
     report["options"] = {
         "address": w.target.address,
         "http_address": w.target.http_address,
@@ -191,7 +191,7 @@ def _driver(w: Workload, keys: dict[str, str]) -> Driver:
     return PerTenantDriver(drivers, fronts)
 
 
-async def _run(
+async def run_workload(
     w: Workload,
     plan: Any,
     keys: dict[str, str],

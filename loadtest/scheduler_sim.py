@@ -42,6 +42,7 @@ class SchedulerSim:
     block_size: int = 4
     mode: SchedulingMode = SchedulingMode.CONTINUOUS
     enable_prefix_caching: bool = True
+    priority_classes: bool = True
     step_no: int = 0
     requests: dict[str, SimRequest] = field(default_factory=dict)
     batches: list[ScheduledBatch] = field(default_factory=list)
@@ -49,7 +50,13 @@ class SchedulerSim:
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(self.max_num_seqs, self.max_num_batched_tokens, self.mode), self.bm
+            SchedulerConfig(
+                self.max_num_seqs,
+                self.max_num_batched_tokens,
+                self.mode,
+                priority_classes=self.priority_classes,
+            ),
+            self.bm,
         )
 
     def submit(

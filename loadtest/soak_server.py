@@ -181,7 +181,7 @@ class ServedLoom:
     """``loom serve`` in a subprocess, with its store; ``start`` returns once the banner is printed."""
 
     workdir: Path
-    model_dir: Path
+    model_dir: Path | None  # None: the embedded SmolLM2
     replicas: int = 2
     engine_env: dict[str, str] = field(default_factory=dict)
     redis: RedisServer | None = None
@@ -191,11 +191,12 @@ class ServedLoom:
     metrics_url: str = ""
 
     @classmethod
-    def create(cls, replicas: int, engine_env: dict[str, str]) -> ServedLoom:
+    def create(cls, replicas: int, engine_env: dict[str, str], embedded: bool = False) -> ServedLoom:
+        """A tiny random model (the soak's: cheap steps), or the embedded model (``embedded``)."""
         from loadtest.tiny_model import random_checkpoint, save_hf_dir
 
         workdir = Path(tempfile.mkdtemp(prefix="loom-soak-"))
-        model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
+        model_dir = None if embedded else save_hf_dir(random_checkpoint(), workdir / "tiny")
         return cls(workdir, model_dir, replicas, engine_env, RedisServer(workdir / "redis"))
 
     @property
@@ -215,7 +216,8 @@ class ServedLoom:
         }
         env.pop("RAY_ADDRESS", None)  # a cluster of its own, never the caller's
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "loom.cli", "serve", "--model", str(self.model_dir),
+            sys.executable, "-m", "loom.cli", "serve",
+            *(["--model", str(self.model_dir)] if self.model_dir is not None else []),
             "--replicas", str(self.replicas), "--redis-url", self.redis.url, "--port", str(port),
             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
             cwd=self.workdir, env=env, stdout=asyncio.subprocess.PIPE,

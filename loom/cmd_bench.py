@@ -14,6 +14,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         bench_gateway,
         bench_isolation,
         bench_lora,
+        bench_served,
         calibrate,
         sim_experiments,
     )
@@ -25,3 +26,4 @@ def register(sub: argparse._SubParsersAction) -> None:
     calibrate.register(bench_sub)  # loom bench calibrate
     bench_lora.register(bench_sub)  # loom bench lora
     bench_isolation.register(bench_sub)  # loom bench isolation
+    bench_served.register(bench_sub)  # loom bench served

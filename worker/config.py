@@ -34,6 +34,9 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
     scheduling: SchedulingMode = SchedulingMode.CONTINUOUS
+    priority_scheduling: bool = Field(
+        True, description="off: every request is scheduled as standard (a baseline for measurements)"
+    )
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=2)
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on cpu")

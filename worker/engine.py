@@ -65,7 +65,11 @@ class LLMEngine:
         )
         self.scheduler = Scheduler(
             SchedulerConfig(
-                config.max_num_seqs, config.max_num_batched_tokens, config.scheduling, self.max_model_len
+                config.max_num_seqs,
+                config.max_num_batched_tokens,
+                config.scheduling,
+                self.max_model_len,
+                config.priority_scheduling,
             ),
             self.block_manager,
             gate=self.lora,

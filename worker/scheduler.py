@@ -76,6 +76,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 512
     mode: SchedulingMode = SchedulingMode.CONTINUOUS
     max_model_len: int = 1 << 30  # a sequence reaching this many tokens ends (LENGTH)
+    # Off: every request is served as standard (fair share and FCFS only), the baseline that
+    # priority protection is measured against (loadtest/bench_served.py).
+    priority_classes: bool = True
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "mode", SchedulingMode(self.mode))  # accept the plain string too
@@ -148,6 +151,8 @@ class Scheduler:
         if seq.request_id in self._by_id:
             raise ValueError(f"request id {seq.request_id!r} is already in the engine")
         self._by_id[seq.request_id] = seq
+        if not self.config.priority_classes:
+            seq.priority = Priority.STANDARD
         self.fair.activate(seq.priority, seq.tenant)
         self._enqueue(seq)
 

@@ -61,6 +61,28 @@ def test_interactive_ttft_unaffected_by_batch_backlog() -> None:
     assert ttft(True) == alone
 
 
+def test_priority_classes_off_serves_interactive_behind_the_batch_backlog() -> None:
+    # The baseline of the served priority benchmark: with classes off, an interactive arrival queues
+    # behind the batch work that came first, where with classes on it is served at once.
+    def ttft(classes: bool) -> int:
+        sim = SchedulerSim(
+            max_num_seqs=4, max_num_batched_tokens=64, num_blocks=512, priority_classes=classes
+        )
+        for _ in range(12):
+            sim.submit(8, 20, tenant="bulk", priority=Priority.BATCH)
+        sim.step()
+        rid = sim.submit(8, 3, tenant="chat", priority=Priority.INTERACTIVE)
+        start = sim.step_no
+        while sim.requests[rid].first_token_step is None:
+            sim.step()
+        sim.run()
+        _assert_clean(sim)
+        return sim.requests[rid].first_token_step - start
+
+    assert ttft(True) == 0
+    assert ttft(False) == 19  # behind the four running batch requests: their 19 remaining tokens
+
+
 def test_interactive_arrival_preempts_batch_when_slots_are_full() -> None:
     sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=512)
     bulk = [sim.submit(8, 100, tenant="bulk", priority=Priority.BATCH) for _ in range(4)]
