@@ -18,6 +18,9 @@ ENVIRON_ALLOWED = {
     "loom/cmd_serve.py": "sets Ray's RAY_DEDUP_LOGS for the local cluster it starts",
     "loadtest/bench_admission.py": "the benchmark's --redis-url default from REDIS_URL, as the tests",
     "loadtest/workload.py": "a workload file may name the variable that holds a tenant's key",
+    "loadtest/soak_server.py": "the environment of the loom serve it starts: this one's plus its settings",
+    "loadtest/peer_vllm.py": "the environment of the vLLM subprocess: this one's plus vLLM's CPU variables",
+    "loadtest/peer_vllm_runner.py": "runs inside the peer venv and records the vLLM variables it ran under",
 }
 
 

@@ -65,9 +65,8 @@ async def test_redis_stopped_for_ten_seconds_then_restarted(
                 await eventually(lambda b=during: all(r.tokens or r.code != "OK" for r in b), timeout_s=30)
                 modes.add(server.tenancy.quota_mode)
                 await asyncio.sleep(1.0)
-            assert all(r.finished for r in in_flight), (
-                "the streams in flight did not complete during the outage"
-            )
+            # Still during the outage (the machine may be slow: the outage lasts as long as it takes).
+            await eventually(lambda: all(r.finished for r in in_flight), timeout_s=120)
             assert admission.pending_finishes > 0  # their usage waits for Redis
             # Admitted locally, still streaming when Redis comes back.
             spanning = launch("across the restart", 900)

@@ -118,8 +118,10 @@ def _assert_utilization(stage: dict[str, Any], copy_bandwidth_gbs: float | None)
     continuous and never preempts here (8 slots, a cache that holds them), so every token computed is
     useful."""
     u = stage["utilization"]
-    (name,) = u["replicas"]
-    assert name.endswith("/local") and u["skipped"] == []
+    # This gateway's in-process engine; gateways of other tests in this process (Serve pools) may
+    # report their replicas on the same /metrics.
+    (name,) = [n for n in u["replicas"] if n.endswith("/local")]
+    assert not any(n.endswith("/local") for n in u["skipped"])
     f = u["replicas"][name]
     assert f["scrapes"] >= 2 and f["wall_s"] > 0 and f["restarts"] == 0
     assert 0 < f["busy_fraction"] <= 1
