@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu_kernels import cpu_kernels
 from kernels.dispatch import use_triton
 
 
@@ -14,6 +15,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.triton_activation import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
+    fits = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
+    if fits and (compiled := cpu_kernels()) is not None:
+        out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
+        compiled.silu_and_mul(x, out)
+        return out
     return silu_and_mul_ref(x)
 
 

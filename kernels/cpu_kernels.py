@@ -21,7 +21,8 @@ from kernels.settings import KernelSettings
 log = logging.getLogger(__name__)
 
 _SOURCES = [
-    Path(__file__).parent / "csrc" / name for name in ("paged_decode_cpu.cpp", "lora_cpu.cpp", "bindings.cpp")
+    Path(__file__).parent / "csrc" / name
+    for name in ("paged_decode_cpu.cpp", "lora_cpu.cpp", "layer_ops_cpu.cpp", "bindings.cpp")
 ]
 _FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],

@@ -625,6 +625,7 @@ def run_benchmark(
     max_output: int = 400,
     hf: bool = True,
     roofline_points: list[tuple[int, int]] | None = ROOFLINE_POINTS,
+    static: bool = True,
     out_dir: Path | None = RESULTS_DIR,
     log: Any = print,
     dtypes: tuple[str, ...] = ("float32",),
@@ -674,7 +675,7 @@ def run_benchmark(
             (out_dir / "engine.partial.json").write_text(json.dumps(report, indent=2) + "\n")
 
     loom_tokens: dict[str, list[list[int]]] = {}
-    for mode in SchedulingMode:
+    for mode in SchedulingMode if static else [SchedulingMode.CONTINUOUS]:
         log(f"running {mode} ...")
         tokens: list[list[int]] = []
         report["modes"][str(mode)] = run_engine(
@@ -709,10 +710,14 @@ def run_benchmark(
         save_partial()
     modes = report["modes"]
     cont = modes["continuous"]["output_tokens_per_s"]
-    ratios = {
-        "continuous_over_static": cont / modes["static"]["output_tokens_per_s"],
-        "continuous_over_static_no_padding": cont / modes["static_no_padding"]["output_tokens_per_s"],
-    }
+    ratios = (
+        {
+            "continuous_over_static": cont / modes["static"]["output_tokens_per_s"],
+            "continuous_over_static_no_padding": cont / modes["static_no_padding"]["output_tokens_per_s"],
+        }
+        if static
+        else {}
+    )
     if hf:
         ratios["continuous_over_hf_static"] = cont / modes["hf_static"]["output_tokens_per_s"]
     for dtype in dtypes:
@@ -767,6 +772,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-output", type=int, default=400)
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face generate baseline")
     p.add_argument("--no-roofline", action="store_true", help="skip the roofline probes")
+    p.add_argument("--no-static", action="store_true", help="skip the static-batching rows")
     p.add_argument(
         "--dtypes",
         default="auto",
@@ -831,6 +837,7 @@ def _main(args: argparse.Namespace) -> int:
             args.max_num_batched_tokens,
             args.max_output,
             hf=not args.no_hf,
+            static=not args.no_static,
             roofline_points=None if args.no_roofline else ROOFLINE_POINTS,
             out_dir=args.out,
             log=log,

@@ -7,9 +7,16 @@ void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torc
                      torch::Tensor ranks, torch::Tensor h);
 void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales,
                      torch::Tensor slots, torch::Tensor order, torch::Tensor ranks);
+void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor residual,
+                  torch::Tensor residual_out, torch::Tensor out);
+void silu_and_mul_cpu(torch::Tensor x, torch::Tensor out);
+void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("lora_shrink", &lora_shrink_cpu, "multi-LoRA shrink (CPU, fp32)");
   m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");
+  m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32)");
+  m.def("silu_and_mul", &silu_and_mul_cpu, "SiLU-and-mul (CPU, fp32)");
+  m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32)");
 }
