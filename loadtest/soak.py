@@ -690,6 +690,13 @@ async def _healthy(client: LoomClient, model: str) -> bool:
 def fuzz_markdown(report: dict[str, Any]) -> str:
     codes = sorted({c for per_kind in report["codes"].values() for c in per_kind})
     lines = [
+        "# Fuzz (`loom soak --fuzz N`)",
+        "",
+        "Generated requests over both fronts of a `loom serve` it starts (tiny random model): random field",
+        "values, invalid UTF-8, truncated and garbage bodies, oversized metadata, near-miss keys. A problem",
+        "is a code outside the expected set (UNKNOWN, INTERNAL, HTTP 500), internals in a message, or a",
+        "near-miss key served.",
+        "",
         f"{report['cases']} fuzz cases in {report['seconds']:.0f} s; problems: {report['problem_count']}; "
         f"healthy afterwards: {report['healthy_after']}; verdict: {report['verdict']}",
         "",
@@ -759,6 +766,9 @@ def _main(args: argparse.Namespace) -> int:
     try:
         if args.fuzz is not None:
             report = asyncio.run(run_fuzz(cfg, args.fuzz, say))
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "fuzz.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+            (args.out / "fuzz.md").write_text(fuzz_markdown(report))
             print(fuzz_markdown(report))
             return 0 if report["verdict"] == "pass" else 1
         report = asyncio.run(run_soak(cfg, say))
