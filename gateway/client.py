@@ -19,15 +19,16 @@ class LoomClient:
         *,
         root_certificates: bytes | None = None,
         client_cert: tuple[bytes, bytes] | None = None,  # (key, cert) for mTLS
+        options: Sequence[tuple[str, Any]] = (),  # gRPC channel arguments
     ) -> None:
         self.address = address
         self.api_key = api_key
         if root_certificates is not None:
             key, cert = client_cert or (None, None)
             creds = grpc.ssl_channel_credentials(root_certificates, private_key=key, certificate_chain=cert)
-            self.channel = grpc.aio.secure_channel(address, creds)
+            self.channel = grpc.aio.secure_channel(address, creds, options=options)
         else:
-            self.channel = grpc.aio.insecure_channel(address)
+            self.channel = grpc.aio.insecure_channel(address, options=options)
         self.stub = pb_grpc.InferenceStub(self.channel)
 
     @classmethod

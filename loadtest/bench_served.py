@@ -60,7 +60,7 @@ class Server:
 
 def servers(only: set[str] | None) -> list[Server]:
     def keep(*runs: Run) -> tuple[Run, ...]:
-        return tuple(r for r in runs if only is None or r.name.split("-")[0] in only)
+        return tuple(r for r in runs if only is None or r.name in only or r.name.split("-")[0] in only)
 
     plan = [
         Server(
@@ -322,13 +322,17 @@ def run_benchmark(out: Path, only: set[str] | None) -> dict[str, Any]:
     reports: dict[str, dict[str, Any]] = {}
     for server in servers(only):
         reports.update(asyncio.run(_serve_and_run(server, served_dir, console)))
+    # A partial run (--only) is summarized with the other experiments' latest reports.
+    for server in servers(None):
+        for run in server.runs:
+            saved = served_dir / run.name / "report.json"
+            if run.name not in reports and saved.exists():
+                reports[run.name] = json.loads(saved.read_text())
     summary = summarize(reports)
-    previous = json.loads((out / "served.json").read_text()) if (out / "served.json").exists() else {}
-    merged = {**previous.get("summary", {}), **summary}  # a partial run (--only) updates its parts
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "cpu": cpu_line(), **cpu_info()}
-    result = {"meta": meta, "summary": merged}
+    result = {"meta": meta, "summary": summary}
     (out / "served.json").write_text(json.dumps(result, indent=1) + "\n")
-    (out / "served.md").write_text(to_markdown(merged, meta))
+    (out / "served.md").write_text(to_markdown(summary, meta))
     return result
 
 
@@ -342,8 +346,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--only",
         action="append",
-        choices=("knee", "batching", "priority", "fairness"),
-        help="run only these experiments (repeatable); the summary keeps the others' last figures",
+        choices=("knee", "batching", "batching-static", "batching-continuous", "priority", "fairness"),
+        help="run only these experiments or runs (repeatable); the summary reads the others' last reports",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
     p.set_defaults(func=lambda args: _main(args))

@@ -122,14 +122,31 @@ class Driver(Protocol):
     async def close(self) -> None: ...
 
 
+# Streams a driver opens on one connection: below the gateway's HTTP/2 cap per connection (128 by
+# default), which refuses streams beyond it (REFUSED_STREAM, seen as UNAVAILABLE).
+STREAMS_PER_CONNECTION = 100
+
+
 class GrpcDriver:
-    """``loom.v1.Inference/Generate`` through one LoomClient (one channel) per tenant key."""
+    """``loom.v1.Inference/Generate`` as separate clients would call it: each tenant over connections
+    of its own (never shared with another tenant's, as gRPC's global subchannel pool would share
+    them), a new one opened whenever the tenant's open ones each carry ``STREAMS_PER_CONNECTION``."""
 
     name = "grpc"
 
     def __init__(self, address: str, keys: dict[str, str]) -> None:
         self.address = require_loopback(address)
-        self.clients = {tenant: LoomClient(address, key) for tenant, key in keys.items()}
+        self.keys = keys
+        self.connections: dict[str, list[tuple[LoomClient, list[int]]]] = {t: [] for t in keys}
+
+    def _client(self, tenant: str) -> tuple[LoomClient, list[int]]:
+        conns = self.connections[tenant]
+        free = [c for c in conns if c[1][0] < STREAMS_PER_CONNECTION]
+        if free:
+            return min(free, key=lambda c: c[1][0])
+        client = LoomClient(self.address, self.keys[tenant], options=[("grpc.use_local_subchannel_pool", 1)])
+        conns.append((client, [0]))
+        return conns[-1]
 
     async def stream(self, request: DriverRequest) -> AsyncIterator[Chunk]:
         msg = pb.GenerateRequest(
@@ -145,7 +162,9 @@ class GrpcDriver:
             msg.prompt = request.prompt
         if request.seed is not None:
             msg.seed = request.seed
-        call = self.clients[request.tenant].generate_call(msg, timeout=request.timeout_s)
+        client, open_streams = self._client(request.tenant)
+        open_streams[0] += 1
+        call = client.generate_call(msg, timeout=request.timeout_s)
         finished = False
         try:
             async for resp in call:
@@ -165,13 +184,15 @@ class GrpcDriver:
             finished = True
             raise DriverError(exc.code().name, exc.details() or "") from None
         finally:
+            open_streams[0] -= 1
             if not finished:
                 call.cancel()  # the caller stopped early (end of run): the server aborts the request
 
     async def close(self) -> None:
-        for client in self.clients.values():
-            with contextlib.suppress(Exception):
-                await client.close()
+        for conns in self.connections.values():
+            for client, _ in conns:
+                with contextlib.suppress(Exception):
+                    await client.close()
 
 
 _PB_PRIORITY: dict[Priority | None, int] = {
