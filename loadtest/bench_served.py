@@ -136,7 +136,7 @@ async def _serve_and_run(server: Server, out: Path, console: Console) -> dict[st
             )
     finally:
         await served.stop()
-        served.remove(keep_log=out / f"serve-{server.label.split(',')[0].replace(' ', '-')}.log")
+        served.remove()
     return reports
 
 
