@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu_kernels import cpu_kernels
+from kernels.cpu_kernels import cpu_kernels_for
 from kernels.dispatch import use_triton
 
 
@@ -15,8 +15,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         from kernels.triton_activation import silu_and_mul_triton
 
         return silu_and_mul_triton(x)
-    fits = x.device.type == "cpu" and x.dtype == torch.float32 and x.is_contiguous() and x.dim() == 2
-    if fits and (compiled := cpu_kernels()) is not None:
+    if x.is_contiguous() and x.dim() == 2 and (compiled := cpu_kernels_for(x)) is not None:
         out = torch.empty((x.shape[0], x.shape[1] // 2), dtype=x.dtype)
         compiled.silu_and_mul(x, out)
         return out

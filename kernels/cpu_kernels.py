@@ -50,6 +50,13 @@ def cpu_kernels() -> ModuleType | None:
     return _module
 
 
+def cpu_kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
+    """The compiled module when every tensor is fp32 on CPU (what the C++ kernels take), else None."""
+    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+        return cpu_kernels()
+    return None
+
+
 def _build() -> ModuleType | None:
     """Compile (or load from torch's extension cache) the module; None, logged, if that fails."""
     try:

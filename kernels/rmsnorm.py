@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_kernels import cpu_kernels
+from kernels.cpu_kernels import cpu_kernels_for
 from kernels.dispatch import use_triton
 
 
@@ -19,7 +19,8 @@ def rms_norm(
         from kernels.triton_rmsnorm import rms_norm_triton
 
         return rms_norm_triton(x, weight, eps, residual)
-    if _compiled_fits(x, weight, residual) and (compiled := cpu_kernels()) is not None:
+    tensors = (x, weight) if residual is None else (x, weight, residual)
+    if all(t.is_contiguous() for t in tensors) and (compiled := cpu_kernels_for(*tensors)) is not None:
         out = torch.empty_like(x)
         if residual is None:
             compiled.rms_norm(x, weight, eps, _NONE, _NONE, out)
@@ -31,12 +32,6 @@ def rms_norm(
 
 
 _NONE = torch.empty(0)
-
-
-def _compiled_fits(x: torch.Tensor, weight: torch.Tensor, residual: torch.Tensor | None) -> bool:
-    """fp32 contiguous CPU tensors: what kernels/csrc/layer_ops_cpu.cpp takes."""
-    tensors = (x, weight) if residual is None else (x, weight, residual)
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 and t.is_contiguous() for t in tensors)
 
 
 def rms_norm_ref(

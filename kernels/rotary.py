@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu_kernels import cpu_kernels
+from kernels.cpu_kernels import cpu_kernels_for
 from kernels.dispatch import use_triton
 
 
@@ -32,17 +32,11 @@ def apply_rotary(
 
         apply_rotary_triton(positions, q, k, cos_sin_cache)
         return
-    if _compiled_fits(q, k, cos_sin_cache) and (compiled := cpu_kernels()) is not None:
+    unit_stride = q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous()
+    if unit_stride and (compiled := cpu_kernels_for(q, k, cos_sin_cache)) is not None:
         compiled.rotary(positions, q, k, cos_sin_cache)
         return
     apply_rotary_ref(positions, q, k, cos_sin_cache)
-
-
-def _compiled_fits(q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor) -> bool:
-    """fp32 CPU tensors with a unit-stride head dimension: what kernels/csrc/layer_ops_cpu.cpp takes."""
-    return all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (q, k, cos_sin_cache)) and (
-        q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous()
-    )
 
 
 def apply_rotary_ref(

@@ -127,6 +127,12 @@ class Driver(Protocol):
 STREAMS_PER_CONNECTION = 100
 
 
+@dataclass
+class _Connection:
+    client: LoomClient  # a channel with its own connection (a local subchannel pool)
+    open_streams: int = 0
+
+
 class GrpcDriver:
     """``loom.v1.Inference/Generate`` as separate clients would call it: each tenant over connections
     of its own (never shared with another tenant's, as gRPC's global subchannel pool would share
@@ -137,16 +143,18 @@ class GrpcDriver:
     def __init__(self, address: str, keys: dict[str, str]) -> None:
         self.address = require_loopback(address)
         self.keys = keys
-        self.connections: dict[str, list[tuple[LoomClient, list[int]]]] = {t: [] for t in keys}
+        self.connections: dict[str, list[_Connection]] = {t: [] for t in keys}
 
-    def _client(self, tenant: str) -> tuple[LoomClient, list[int]]:
-        conns = self.connections[tenant]
-        free = [c for c in conns if c[1][0] < STREAMS_PER_CONNECTION]
+    def _connection(self, tenant: str) -> _Connection:
+        """The tenant's least busy connection with room for a stream, or a new one."""
+        free = [c for c in self.connections[tenant] if c.open_streams < STREAMS_PER_CONNECTION]
         if free:
-            return min(free, key=lambda c: c[1][0])
-        client = LoomClient(self.address, self.keys[tenant], options=[("grpc.use_local_subchannel_pool", 1)])
-        conns.append((client, [0]))
-        return conns[-1]
+            return min(free, key=lambda c: c.open_streams)
+        conn = _Connection(
+            LoomClient(self.address, self.keys[tenant], options=[("grpc.use_local_subchannel_pool", 1)])
+        )
+        self.connections[tenant].append(conn)
+        return conn
 
     async def stream(self, request: DriverRequest) -> AsyncIterator[Chunk]:
         msg = pb.GenerateRequest(
@@ -162,9 +170,9 @@ class GrpcDriver:
             msg.prompt = request.prompt
         if request.seed is not None:
             msg.seed = request.seed
-        client, open_streams = self._client(request.tenant)
-        open_streams[0] += 1
-        call = client.generate_call(msg, timeout=request.timeout_s)
+        conn = self._connection(request.tenant)
+        conn.open_streams += 1
+        call = conn.client.generate_call(msg, timeout=request.timeout_s)
         finished = False
         try:
             async for resp in call:
@@ -184,15 +192,15 @@ class GrpcDriver:
             finished = True
             raise DriverError(exc.code().name, exc.details() or "") from None
         finally:
-            open_streams[0] -= 1
+            conn.open_streams -= 1
             if not finished:
                 call.cancel()  # the caller stopped early (end of run): the server aborts the request
 
     async def close(self) -> None:
         for conns in self.connections.values():
-            for client, _ in conns:
+            for conn in conns:
                 with contextlib.suppress(Exception):
-                    await client.close()
+                    await conn.client.close()
 
 
 _PB_PRIORITY: dict[Priority | None, int] = {
