@@ -497,7 +497,8 @@ class _StallGuardedStream(StreamingResponse):
 
     async def stream_response(self, send: Any) -> None:
         async def guarded(message: Any) -> None:
-            await asyncio.wait_for(send(message), self.stall_s)
+            async with asyncio.timeout(self.stall_s):  # no task per write, unlike wait_for
+                await send(message)
 
         try:
             await super().stream_response(guarded)
