@@ -51,8 +51,12 @@ def cpu_kernels() -> ModuleType | None:
 
 
 def cpu_kernels_for(*tensors: torch.Tensor) -> ModuleType | None:
-    """The compiled module when every tensor is fp32 on CPU (what the C++ kernels take), else None."""
-    if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors):
+    """The compiled module when the tensors are on CPU and all fp32 or all bf16 (what the C++ layer
+    ops take), else None."""
+    dtypes = {t.dtype for t in tensors}
+    if all(t.device.type == "cpu" for t in tensors) and (
+        dtypes == {torch.float32} or dtypes == {torch.bfloat16}
+    ):
         return cpu_kernels()
     return None
 

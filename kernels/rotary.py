@@ -33,7 +33,8 @@ def apply_rotary(
         apply_rotary_triton(positions, q, k, cos_sin_cache)
         return
     unit_stride = q.stride(-1) == 1 and k.stride(-1) == 1 and cos_sin_cache.is_contiguous()
-    if unit_stride and (compiled := cpu_kernels_for(q, k, cos_sin_cache)) is not None:
+    fp32_table = cos_sin_cache.dtype == torch.float32 and cos_sin_cache.device.type == "cpu"
+    if unit_stride and fp32_table and (compiled := cpu_kernels_for(q, k)) is not None:
         compiled.rotary(positions, q, k, cos_sin_cache)
         return
     apply_rotary_ref(positions, q, k, cos_sin_cache)

@@ -16,7 +16,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
   m.def("lora_shrink", &lora_shrink_cpu, "multi-LoRA shrink (CPU, fp32)");
   m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");
-  m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32)");
-  m.def("silu_and_mul", &silu_and_mul_cpu, "SiLU-and-mul (CPU, fp32)");
-  m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32)");
+  m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32 or bf16)");
+  m.def("silu_and_mul", &silu_and_mul_cpu, "SiLU-and-mul (CPU, fp32 or bf16)");
+  m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
 }

@@ -1,6 +1,6 @@
 """The compiled CPU layer ops (kernels/csrc/layer_ops_cpu.cpp): residual add + RMSNorm, SiLU-and-mul and
 rotary, against their torch references and float64, with fresh random inputs and outputs poisoned
-with NaN (a row the kernel skips stays NaN and fails the comparison)."""
+with NaN (a row the kernel skips stays NaN and fails the comparison); in fp32 and in bf16."""
 
 from __future__ import annotations
 
@@ -85,8 +85,53 @@ def test_rotary_in_place_on_views_of_a_fused_projection(compiled: ModuleType, ro
     assert torch.equal(qkv[:, (heads + kv_heads) * hd :], v_before)  # v untouched
 
 
-def test_other_dtypes_keep_the_reference(compiled: ModuleType) -> None:
-    x = torch.randn(3, 32, dtype=torch.bfloat16)
-    w = torch.randn(32, dtype=torch.bfloat16)
+def _ulps(got: torch.Tensor, want: torch.Tensor) -> int:
+    """The largest distance, in bf16 units in the last place, between two bf16 tensors."""
+    a, b = got.view(torch.int16).int(), want.view(torch.int16).int()
+    return int((a - b).abs().max())
+
+
+def test_bf16_rounds_where_the_bf16_reference_rounds(compiled: ModuleType) -> None:
+    """bf16 in, fp32 inside, rounded at the reference's points: at most one bf16 ulp from it (fp32
+    evaluation order differs), close to float64, and the dispatchers take the compiled path."""
+    g = torch.Generator().manual_seed(7)
+    rows, d = 9, 96
+    x = (torch.randn(rows, d, generator=g) * 3).bfloat16()
+    res = torch.randn(rows, d, generator=g).bfloat16()
+    w = torch.randn(d, generator=g).bfloat16()
+    out, res_out = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
+    compiled.rms_norm(x, w, 1e-5, res, res_out, out)
+    ref, ref_res = rms_norm_ref(x, w, 1e-5, res)
+    assert torch.equal(res_out, ref_res) and _ulps(out, ref) <= 1
+    s = x.double() + res.double()
+    assert rel_err(out, w.double() * s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5)) < 1e-2
+    got, got_res = rms_norm(x, w, 1e-5, res)
+    assert torch.equal(got, out) and torch.equal(got_res, res_out)
+
+    gu = (torch.randn(rows, 2 * 80, generator=g) * 4).bfloat16()
+    act = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
+    compiled.silu_and_mul(gu, act)
+    assert _ulps(act, silu_and_mul_ref(gu)) <= 1
+    assert torch.equal(silu_and_mul(gu), act)
+
+    heads, kv_heads, hd = 4, 2, 16
+    cos_sin = build_cos_sin_cache(1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd)), 64)
+    positions = torch.randint(0, 64, (rows,), generator=g)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * hd, generator=g).bfloat16()
+    q = qkv[:, : heads * hd].view(rows, heads, hd)
+    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(rows, kv_heads, hd)
+    q_ref, k_ref = q.clone(), k.clone()
+    apply_rotary_ref(positions, q_ref, k_ref, cos_sin)
+    apply_rotary(positions, q, k, cos_sin)
+    assert _ulps(q, q_ref) <= 1 and _ulps(k, k_ref) <= 1
+
+
+def test_mixed_or_other_dtypes_keep_the_reference(compiled: ModuleType) -> None:
+    x = torch.randn(3, 32, dtype=torch.float16)
+    w = torch.randn(32, dtype=torch.float16)
     assert torch.equal(rms_norm(x, w, 1e-6), rms_norm_ref(x, w, 1e-6))
     assert torch.equal(silu_and_mul(x), silu_and_mul_ref(x))
+    xb, wf = torch.randn(3, 32, dtype=torch.bfloat16), torch.randn(32)  # bf16 rows, fp32 weight
+    assert torch.equal(rms_norm(xb, wf, 1e-6), rms_norm_ref(xb, wf, 1e-6))
+    with pytest.raises(RuntimeError, match="weight must be"):
+        compiled.rms_norm(xb, wf, 1e-6, NONE, NONE, torch.empty_like(xb))
