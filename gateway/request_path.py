@@ -101,6 +101,7 @@ class RequestPath:
         self.catalog = catalog
         self.settings = settings
         self._large_tokenize = asyncio.Semaphore(LARGE_TOKENIZE_SLOTS)
+        self.draining = False  # set when the gateway drains: new calls are refused, streams go on
 
     # ---- the operations fronts call ------------------------------------------------------------------
 
@@ -160,6 +161,8 @@ class RequestPath:
         tenant = principal.tenant
         call = _Call(tenant.id, time.monotonic())
         try:
+            if self.draining:
+                raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is draining; retry the call")
             valid = validate(request, decode_violations)
             route, adapter = self._route(tenant, valid.model)
             prompt_ids = await self._tokenize(route.tokenizer, valid)

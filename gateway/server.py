@@ -146,9 +146,15 @@ class GatewayServer:
             return
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self._draining = True
+        self.path.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("gateway draining (grace %.0f s)", grace)
-        await asyncio.gather(self._server.stop(grace), self.http.stop())
+        # Refuse new calls ourselves first (UNAVAILABLE, retryable) while clients see NOT_SERVING and
+        # move away: once the listeners close, gRPC cancels a call that raced the close (CANCELLED,
+        # which clients do not retry).
+        refuse = min(self.settings.drain_refuse_s, grace)
+        await asyncio.sleep(refuse)
+        await asyncio.gather(self._server.stop(grace - refuse), self.http.stop())
         self._server = None
         ENGINE.remove_source(id(self))
         self._stop_metrics()

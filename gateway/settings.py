@@ -24,6 +24,13 @@ class GatewaySettings(BaseSettings):
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = Field(None, description="set to require client certificates (mTLS)")
     drain_grace_s: float = Field(30.0, ge=0)
+    drain_refuse_s: float = Field(
+        2.0,
+        ge=0,
+        description="the first seconds of a drain (part of drain_grace_s): the listeners stay open and the "
+        "gateway itself refuses new calls with UNAVAILABLE (HTTP 503), which clients retry; a call that "
+        "races the listeners' close is cancelled by gRPC instead",
+    )
     # Bounds on clients, so that one that stops reading or never leaves cannot hold a lease, a
     # concurrency slot or the gateway's memory: a stream whose client reads nothing for
     # stream_stall_timeout_s (once the transport's buffers are full) is ended, and none lasts longer
