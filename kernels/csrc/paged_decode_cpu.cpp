@@ -23,52 +23,139 @@ namespace {
 template <typename T>
 inline float to_f(T x) { return static_cast<float>(x); }
 
-// dot(a, b) over n floats; 16 lanes at a time where the CPU has AVX-512 (n % 16 == 0 for head dims).
-inline float dot_f32(const float* a, const float* b, int64_t n) {
+#if defined(__AVX512F__)
+// 16 cache values as fp32 lanes: bf16 is the high half of an fp32 (widen, shift), fp16 converts.
+template <typename T>
+inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
+}
+#endif
+
+// dot(q, k) over n values, fp32 math; 16 lanes at a time where the CPU has AVX-512 (head dims are
+// multiples of 16), whatever the cache dtype: a scalar bf16 loop cost as much as the fp32 one's
+// memory traffic saved.
+template <typename T>
+inline float dot_any(const float* q, const T* k, int64_t n) {
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
     __m512 acc = _mm512_setzero_ps();
-    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), acc);
+    for (int64_t i = 0; i < n; i += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), load16(k + i), acc);
     return _mm512_reduce_add_ps(acc);
   }
 #endif
   float dot = 0.f;
-  for (int64_t i = 0; i < n; ++i) dot += a[i] * b[i];
+  for (int64_t i = 0; i < n; ++i) dot += q[i] * to_f(k[i]);
   return dot;
 }
 
-// acc += w * v over n floats.
-inline void axpy_f32(float* acc, float w, const float* v, int64_t n) {
+// acc += w * v over n values.
+template <typename T>
+inline void axpy_any(float* acc, float w, const T* v, int64_t n) {
 #if defined(__AVX512F__)
   if (n % 16 == 0) {
     const __m512 wv = _mm512_set1_ps(w);
     for (int64_t i = 0; i < n; i += 16)
-      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, _mm512_loadu_ps(v + i), _mm512_loadu_ps(acc + i)));
+      _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, load16(v + i), _mm512_loadu_ps(acc + i)));
     return;
   }
 #endif
-  for (int64_t i = 0; i < n; ++i) acc[i] += w * v[i];
+  for (int64_t i = 0; i < n; ++i) acc[i] += w * to_f(v[i]);
+}
+
+#if defined(__AVX512F__)
+// One sequence's G query heads that share one KV head, head_dim 16 * C, in registers: each key and
+// value slot is loaded once and used by all G heads, and the G output rows accumulate in registers
+// across the whole sequence. The generic loop below re-read every slot per query head and kept its
+// accumulators in memory: instruction-bound, not memory-bound, at 2-5x the bytes' time.
+template <typename T, int G, int C>
+void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const int32_t* table, int64_t len,
+                    int64_t block_size, int64_t block_stride, int64_t slot_stride, float* scores, float* out) {
+  constexpr int D = 16 * C;
+  __m512 qv[G][C];
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), sv);
+  // Pass 1: scores [G, len].
+  for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
+    const T* base = k0 + table[b] * block_stride;
+    const int64_t n = std::min(block_size, len - p0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* k = base + o * slot_stride;
+      __m512 kv[C];
+      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+      for (int g = 0; g < G; ++g) {
+        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+        scores[g * len + p0 + o] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  // Softmax per head (fp32).
+  for (int g = 0; g < G; ++g) {
+    float* sg = scores + g * len;
+    float m = -std::numeric_limits<float>::infinity();
+    for (int64_t p = 0; p < len; ++p) m = std::max(m, sg[p]);
+    float sum = 0.f;
+    for (int64_t p = 0; p < len; ++p) {
+      sg[p] = std::exp(sg[p] - m);
+      sum += sg[p];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
+  }
+  // Pass 2: out [G, D] = probabilities @ values.
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
+    const T* base = v0 + table[b] * block_stride;
+    const int64_t n = std::min(block_size, len - p0);
+    for (int64_t o = 0; o < n; ++o) {
+      const T* v = base + o * slot_stride;
+      __m512 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+      for (int g = 0; g < G; ++g) {
+        const __m512 w = _mm512_set1_ps(scores[g * len + p0 + o]);
+        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
+      }
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
 }
 
 template <typename T>
-inline float dot_any(const float* q, const T* k, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    return dot_f32(q, k, n);
-  } else {
-    float dot = 0.f;
-    for (int64_t i = 0; i < n; ++i) dot += q[i] * to_f(k[i]);
-    return dot;
+using KvHeadFn = void (*)(const float*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t,
+                          int64_t, float*, float*);
+
+template <typename T, int C>
+KvHeadFn<T> kv_head_fn_for_group(int64_t group) {
+  switch (group) {
+    case 1: return &decode_kv_head<T, 1, C>;
+    case 2: return &decode_kv_head<T, 2, C>;
+    case 3: return &decode_kv_head<T, 3, C>;
+    case 4: return &decode_kv_head<T, 4, C>;
+    case 8: return &decode_kv_head<T, 8, C>;
+    default: return nullptr;
   }
 }
 
+// The register-blocked path for this shape (head_dim 64 or 128; 1, 2, 3, 4 or 8 query heads per KV
+// head, which covers the Llama, Qwen and SmolLM families), or null for the generic loop.
 template <typename T>
-inline void axpy_any(float* acc, float w, const T* v, int64_t n) {
-  if constexpr (std::is_same_v<T, float>) {
-    axpy_f32(acc, w, v, n);
-  } else {
-    for (int64_t i = 0; i < n; ++i) acc[i] += w * to_f(v[i]);
-  }
+KvHeadFn<T> kv_head_fn(int64_t group, int64_t head_dim) {
+  if (head_dim == 64) return kv_head_fn_for_group<T, 4>(group);
+  if (head_dim == 128) return kv_head_fn_for_group<T, 8>(group);
+  return nullptr;
 }
+#endif
 
 template <typename T>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
@@ -93,6 +180,23 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
 
+#if defined(__AVX512F__)
+  if (const auto fn = kv_head_fn<T>(group, head_dim)) {
+    // One work item per (sequence, KV head): more items than threads even at small batches.
+    at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores;
+      for (int64_t w = begin; w < end; ++w) {
+        const int64_t d = w / num_kv_heads, h = w % num_kv_heads;
+        const int64_t s = seq_idx[d], row = row_idx[d], len = lens[s];
+        scores.resize(group * len);
+        const int64_t first = (row * num_heads + h * group) * head_dim;  // query head h * group
+        fn(qp + first, static_cast<float>(scale), kp + h * head_dim, vp + h * head_dim, bt + s * table_width, len,
+           block_size, block_stride, slot_stride, scores.data(), op + first);
+      }
+    });
+    return;
+  }
+#endif
   // One work item per sequence, all its heads at once: each block's slots are read front to back,
   // every byte once, which streams far better than one head's strided slice at a time.
   at::parallel_for(0, num_decodes, 1, [&](int64_t begin, int64_t end) {

@@ -50,6 +50,21 @@ def test_mixed_batch_decodes_compiled_chunks_reference(block_size: int) -> None:
     assert rel_err(got, attention_f64(b)) < 1e-5
 
 
+@pytest.mark.parametrize(("group", "head_dim"), [(4, 128), (2, 128), (5, 64), (6, 128)])
+def test_register_blocked_and_generic_shapes(group: int, head_dim: int) -> None:
+    """Head dims 64 and 128 with 1-4 or 8 query heads per KV head take the register-blocked loop;
+    other groups (5, 6) the generic one; both in fp32 and over a bf16 cache."""
+    b = make_batch(group * head_dim, [1] * 4, [1, 15, 16, 70], 16, 2, group, head_dim, torch.float32)
+    out = torch.full(b.q.shape, float("nan"))
+    assert (
+        rel_err(paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out), attention_f64(b)) < 1e-5
+    )
+    b.k_cache, b.v_cache = b.k_cache.bfloat16(), b.v_cache.bfloat16()
+    assert rel_err(paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale), attention_f64(b)) < tol(
+        torch.bfloat16
+    )
+
+
 def test_odd_head_dim_takes_the_scalar_path() -> None:
     b = make_batch(3, [1, 1, 1], [5, 20, 33], 8, 1, 4, 24, torch.float32)
     assert rel_err(paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale), attention_f64(b)) < 1e-5
