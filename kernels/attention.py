@@ -37,9 +37,8 @@ def paged_attention(
         from kernels.triton_attention import paged_attention_triton
 
         return paged_attention_triton(q, k_cache, v_cache, meta, scale, out)
-    if q.device.type == "cpu" and (compiled := cpu_kernels()) is not None:
-        if q.dtype == torch.float32:
-            return paged_attention_cpu(compiled, q, k_cache, v_cache, meta, scale, out)
-        if out is None:  # half-precision model: the kernel reads the half cache, computes in fp32
-            return paged_attention_cpu(compiled, q.float(), k_cache, v_cache, meta, scale, None).to(q.dtype)
+    # fp32, or a half-precision model's q over its own cache dtype: the kernel computes in fp32.
+    on_cpu = q.device.type == "cpu" and q.dtype in (torch.float32, k_cache.dtype)
+    if on_cpu and (compiled := cpu_kernels()) is not None:
+        return paged_attention_cpu(compiled, q, k_cache, v_cache, meta, scale, out)
     return paged_attention_ref(q, k_cache, v_cache, meta, scale, out)

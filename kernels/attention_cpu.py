@@ -24,14 +24,15 @@ def paged_attention_cpu(
     scale: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same contract as :func:`kernels.attention.paged_attention`, for fp32 CPU tensors.
+    """Same contract as :func:`kernels.attention.paged_attention`, for CPU tensors with q fp32 or of
+    the caches' dtype (the kernel reads and writes q's dtype and computes in fp32).
 
     ``compiled`` is the module :func:`kernels.cpu_kernels.cpu_kernels` returned. The kernel writes
-    into a contiguous fp32 buffer: ``out`` itself when it is one, else a scratch copied into ``out``
-    row by row afterwards (only rows of scheduled tokens, so others stay untouched).
+    into a contiguous buffer of q's dtype: ``out`` itself when it is one, else a scratch copied into
+    ``out`` row by row afterwards (only rows of scheduled tokens, so others stay untouched).
     """
     plan = reference_plan(meta, k_cache.shape[1])
-    result = torch.empty(q.shape, dtype=torch.float32) if out is None or not out.is_contiguous() else out
+    result = torch.empty(q.shape, dtype=q.dtype) if out is None or not out.is_contiguous() else out
     if plan.decode_rows.numel():
         compiled.paged_decode(
             q.contiguous(),

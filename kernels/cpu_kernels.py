@@ -22,7 +22,13 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
-    for name in ("paged_decode_cpu.cpp", "lora_cpu.cpp", "layer_ops_cpu.cpp", "bindings.cpp")
+    for name in (
+        "paged_decode_cpu.cpp",
+        "kv_write_cpu.cpp",
+        "lora_cpu.cpp",
+        "layer_ops_cpu.cpp",
+        "bindings.cpp",
+    )
 ]
 _FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],

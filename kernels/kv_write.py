@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu_kernels import cpu_kernels_for
 from kernels.dispatch import use_triton
 
 
@@ -23,6 +24,11 @@ def write_kv(
         from kernels.triton_kv_write import write_kv_triton
 
         write_kv_triton(key, value, k_cache, v_cache, slot_mapping)
+        return
+    rows_ok = all(t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] for t in (key, value))
+    caches_ok = k_cache.is_contiguous() and v_cache.is_contiguous()
+    if rows_ok and caches_ok and (compiled := cpu_kernels_for(key, value, k_cache, v_cache)) is not None:
+        compiled.write_kv(key, value, k_cache, v_cache, slot_mapping)
         return
     write_kv_ref(key, value, k_cache, v_cache, slot_mapping)
 

@@ -11,9 +11,12 @@ void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tens
                   torch::Tensor residual_out, torch::Tensor out);
 void silu_and_mul_cpu(torch::Tensor x, torch::Tensor out);
 void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin);
+void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
+                  torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("write_kv", &write_kv_cpu, "store a step's keys and values in the paged caches (CPU)");
   m.def("lora_shrink", &lora_shrink_cpu, "multi-LoRA shrink (CPU, fp32)");
   m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");
   m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32 or bf16)");

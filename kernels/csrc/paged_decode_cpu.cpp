@@ -157,7 +157,9 @@ KvHeadFn<T> kv_head_fn(int64_t group, int64_t head_dim) {
 }
 #endif
 
-template <typename T>
+// T: the cache dtype; Q: q's and out's, fp32 or T (a half-precision model's own activations, read and
+// written here so that no fp32 copy of q or of the output is made around the call).
+template <typename T, typename Q>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                    const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
                    const torch::Tensor& seqs, const torch::Tensor& rows, torch::Tensor& out, double scale) {
@@ -167,14 +169,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t group = num_heads / num_kv_heads;  // query heads per KV head
   const int64_t table_width = block_tables.size(1);
 
-  const float* qp = q.data_ptr<float>();
+  const Q* qp = q.data_ptr<Q>();
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   const int64_t* seq_idx = seqs.data_ptr<int64_t>();
   const int64_t* row_idx = rows.data_ptr<int64_t>();
-  float* op = out.data_ptr<float>();
+  Q* op = out.data_ptr<Q>();
 
   // Strides of the contiguous cache [blocks, block_size, kv_heads, head_dim].
   const int64_t slot_stride = num_kv_heads * head_dim;
@@ -184,14 +186,27 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   if (const auto fn = kv_head_fn<T>(group, head_dim)) {
     // One work item per (sequence, KV head): more items than threads even at small batches.
     at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores;
+      std::vector<float> scores, qf(group * head_dim), of(group * head_dim);
       for (int64_t w = begin; w < end; ++w) {
         const int64_t d = w / num_kv_heads, h = w % num_kv_heads;
         const int64_t s = seq_idx[d], row = row_idx[d], len = lens[s];
         scores.resize(group * len);
         const int64_t first = (row * num_heads + h * group) * head_dim;  // query head h * group
-        fn(qp + first, static_cast<float>(scale), kp + h * head_dim, vp + h * head_dim, bt + s * table_width, len,
-           block_size, block_stride, slot_stride, scores.data(), op + first);
+        const float* qrow;
+        float* orow;
+        if constexpr (std::is_same_v<Q, float>) {
+          qrow = qp + first;
+          orow = op + first;
+        } else {
+          for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(qp[first + i]);
+          qrow = qf.data();
+          orow = of.data();
+        }
+        fn(qrow, static_cast<float>(scale), kp + h * head_dim, vp + h * head_dim, bt + s * table_width, len,
+           block_size, block_stride, slot_stride, scores.data(), orow);
+        if constexpr (!std::is_same_v<Q, float>) {
+          for (int64_t i = 0; i < group * head_dim; ++i) op[first + i] = static_cast<Q>(of[i]);
+        }
       }
     });
     return;
@@ -205,8 +220,8 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       const int64_t s = seq_idx[d], row = row_idx[d];
       const int64_t len = lens[s];
       scores.assign(num_heads * len, 0.f);
-      const float* src = qp + row * num_heads * head_dim;
-      for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = src[i] * static_cast<float>(scale);
+      const Q* src = qp + row * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = to_f(src[i]) * static_cast<float>(scale);
       // Pass 1: the score of every key for every query head (head j uses KV head j / group).
       for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
         const T* base = kp + bt[s * table_width + b] * block_stride;
@@ -240,31 +255,45 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
             axpy_any(acc.data() + j * head_dim, scores[j * len + p0 + o], slot + (j / group) * head_dim, head_dim);
         }
       }
-      std::copy(acc.begin(), acc.end(), op + row * num_heads * head_dim);
+      Q* dst = op + row * num_heads * head_dim;
+      for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
     }
   });
 }
 
 }  // namespace
 
-// q [T, H, D] fp32; caches [NB, BS, KVH, D] fp32/bf16/fp16 contiguous; block_tables int32 [S, MB];
-// seq_lens int32 [S]; seqs/rows int64 [num_decodes]: which sequences decode and their query rows.
+// q [T, H, D] and out: fp32, or both the caches' dtype; caches [NB, BS, KVH, D] fp32/bf16/fp16
+// contiguous; block_tables int32 [S, MB]; seq_lens int32 [S]; seqs/rows int64 [num_decodes]: which
+// sequences decode and their query rows. Math in fp32 whatever the dtypes.
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
                   torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out,
                   double scale) {
-  TORCH_CHECK(q.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32, "q and out must be float32");
+  TORCH_CHECK(q.dtype() == out.dtype(), "q and out must share a dtype");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_cache.dtype(),
+              "q must be float32 or the caches' dtype");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 metadata");
   TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous metadata");
   TORCH_CHECK(seqs.dtype() == torch::kInt64 && rows.dtype() == torch::kInt64, "int64 seqs and rows");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
+  const bool f32q = q.dtype() == torch::kFloat32;
   if (k_cache.dtype() == torch::kFloat32) {
-    decode_kernel<float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    decode_kernel<float, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
   } else if (k_cache.dtype() == torch::kBFloat16) {
-    decode_kernel<c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    if (f32q) {
+      decode_kernel<c10::BFloat16, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    } else {
+      decode_kernel<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out,
+                                                  scale);
+    }
   } else if (k_cache.dtype() == torch::kFloat16) {
-    decode_kernel<c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    if (f32q) {
+      decode_kernel<c10::Half, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    } else {
+      decode_kernel<c10::Half, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    }
   } else {
     TORCH_CHECK(false, "unsupported cache dtype");
   }

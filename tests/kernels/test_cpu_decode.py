@@ -42,6 +42,19 @@ def test_half_precision_caches(dtype: torch.dtype) -> None:
     assert rel_err(got, attention_f64(b)) < tol(dtype)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model_reads_and_writes_its_own_dtype(dtype: torch.dtype) -> None:
+    """A bf16/fp16 model's q over its cache: the kernel takes q and writes the output in that dtype
+    (no fp32 copies around it), decodes and prefill chunks of one batch alike."""
+    q_lens, ctx = mixed_lens(16)
+    b = make_batch(23, q_lens, ctx, 16, 3, 3, 64, torch.float32)
+    b.q, b.k_cache, b.v_cache = b.q.to(dtype), b.k_cache.to(dtype), b.v_cache.to(dtype)
+    out = torch.full(b.q.shape, float("nan"), dtype=dtype)
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=out)
+    assert got.dtype == dtype and got.data_ptr() == out.data_ptr()
+    assert rel_err(got, attention_f64(b)) < tol(dtype)
+
+
 @pytest.mark.parametrize("block_size", [8, 16])
 def test_mixed_batch_decodes_compiled_chunks_reference(block_size: int) -> None:
     q_lens, ctx = mixed_lens(block_size)
