@@ -69,6 +69,33 @@ inline void axpy_any(float* acc, float w, const T* v, int64_t n) {
   for (int64_t i = 0; i < n; ++i) acc[i] += w * to_f(v[i]);
 }
 
+// fn(position, slot) for each of a sequence's len cache rows, walking its block table; base points at
+// the head's first value in block 0 of the cache.
+template <typename T, typename Fn>
+inline void for_each_slot(const T* base, const int32_t* table, int64_t len, int64_t block_size, int64_t block_stride,
+                          int64_t slot_stride, Fn&& fn) {
+  for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
+    const T* block = base + table[b] * block_stride;
+    const int64_t n = std::min(block_size, len - p0);
+    for (int64_t o = 0; o < n; ++o) fn(p0 + o, block + o * slot_stride);
+  }
+}
+
+// Softmax in place over each of `rows` rows of `len` scores, fp32.
+inline void softmax_rows(float* scores, int64_t rows, int64_t len) {
+  for (int64_t j = 0; j < rows; ++j) {
+    float* sj = scores + j * len;
+    const float m = *std::max_element(sj, sj + len);
+    float sum = 0.f;
+    for (int64_t p = 0; p < len; ++p) {
+      sj[p] = std::exp(sj[p] - m);
+      sum += sj[p];
+    }
+    const float inv = 1.f / sum;
+    for (int64_t p = 0; p < len; ++p) sj[p] *= inv;
+  }
+}
+
 #if defined(__AVX512F__)
 // One sequence's G query heads that share one KV head, head_dim 16 * C, in registers: each key and
 // value slot is loaded once and used by all G heads, and the G output rows accumulate in registers
@@ -83,50 +110,28 @@ void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) qv[g][c] = _mm512_mul_ps(_mm512_loadu_ps(q + g * D + c * 16), sv);
   // Pass 1: scores [G, len].
-  for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
-    const T* base = k0 + table[b] * block_stride;
-    const int64_t n = std::min(block_size, len - p0);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* k = base + o * slot_stride;
-      __m512 kv[C];
-      for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
-      for (int g = 0; g < G; ++g) {
-        __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
-        for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
-        scores[g * len + p0 + o] = _mm512_reduce_add_ps(a);
-      }
+  for_each_slot(k0, table, len, block_size, block_stride, slot_stride, [&](int64_t p, const T* k) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + c * 16);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(qv[g][c], kv[c], a);
+      scores[g * len + p] = _mm512_reduce_add_ps(a);
     }
-  }
-  // Softmax per head (fp32).
-  for (int g = 0; g < G; ++g) {
-    float* sg = scores + g * len;
-    float m = -std::numeric_limits<float>::infinity();
-    for (int64_t p = 0; p < len; ++p) m = std::max(m, sg[p]);
-    float sum = 0.f;
-    for (int64_t p = 0; p < len; ++p) {
-      sg[p] = std::exp(sg[p] - m);
-      sum += sg[p];
-    }
-    const float inv = 1.f / sum;
-    for (int64_t p = 0; p < len; ++p) sg[p] *= inv;
-  }
+  });
+  softmax_rows(scores, G, len);
   // Pass 2: out [G, D] = probabilities @ values.
   __m512 acc[G][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
-  for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
-    const T* base = v0 + table[b] * block_stride;
-    const int64_t n = std::min(block_size, len - p0);
-    for (int64_t o = 0; o < n; ++o) {
-      const T* v = base + o * slot_stride;
-      __m512 vv[C];
-      for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
-      for (int g = 0; g < G; ++g) {
-        const __m512 w = _mm512_set1_ps(scores[g * len + p0 + o]);
-        for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
-      }
+  for_each_slot(v0, table, len, block_size, block_stride, slot_stride, [&](int64_t p, const T* v) {
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16(v + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 w = _mm512_set1_ps(scores[g * len + p]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(w, vv[c], acc[g][c]);
     }
-  }
+  });
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(out + g * D + c * 16, acc[g][c]);
 }
@@ -222,39 +227,19 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       scores.assign(num_heads * len, 0.f);
       const Q* src = qp + row * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = to_f(src[i]) * static_cast<float>(scale);
+      const int32_t* table = bt + s * table_width;
       // Pass 1: the score of every key for every query head (head j uses KV head j / group).
-      for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
-        const T* base = kp + bt[s * table_width + b] * block_stride;
-        const int64_t n = std::min(block_size, len - p0);
-        for (int64_t o = 0; o < n; ++o) {
-          const T* slot = base + o * slot_stride;
-          for (int64_t j = 0; j < num_heads; ++j)
-            scores[j * len + p0 + o] = dot_any(qs.data() + j * head_dim, slot + (j / group) * head_dim, head_dim);
-        }
-      }
-      // Softmax per query head (fp32).
-      for (int64_t j = 0; j < num_heads; ++j) {
-        float* sj = scores.data() + j * len;
-        const float m = *std::max_element(sj, sj + len);
-        float sum = 0.f;
-        for (int64_t p = 0; p < len; ++p) {
-          sj[p] = std::exp(sj[p] - m);
-          sum += sj[p];
-        }
-        const float inv = 1.f / sum;
-        for (int64_t p = 0; p < len; ++p) sj[p] *= inv;
-      }
+      for_each_slot(kp, table, len, block_size, block_stride, slot_stride, [&](int64_t p, const T* slot) {
+        for (int64_t j = 0; j < num_heads; ++j)
+          scores[j * len + p] = dot_any(qs.data() + j * head_dim, slot + (j / group) * head_dim, head_dim);
+      });
+      softmax_rows(scores.data(), num_heads, len);
       // Pass 2: probability-weighted values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b = 0, p0 = 0; p0 < len; ++b, p0 += block_size) {
-        const T* base = vp + bt[s * table_width + b] * block_stride;
-        const int64_t n = std::min(block_size, len - p0);
-        for (int64_t o = 0; o < n; ++o) {
-          const T* slot = base + o * slot_stride;
-          for (int64_t j = 0; j < num_heads; ++j)
-            axpy_any(acc.data() + j * head_dim, scores[j * len + p0 + o], slot + (j / group) * head_dim, head_dim);
-        }
-      }
+      for_each_slot(vp, table, len, block_size, block_stride, slot_stride, [&](int64_t p, const T* slot) {
+        for (int64_t j = 0; j < num_heads; ++j)
+          axpy_any(acc.data() + j * head_dim, scores[j * len + p], slot + (j / group) * head_dim, head_dim);
+      });
       Q* dst = op + row * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
     }
