@@ -47,9 +47,8 @@ class GatewayServer:
         self._health = health.aio.HealthServicer()
         self._metrics_server: Any = None
         self.http = HttpFront(
-            self.path, settings, serving=lambda: self._server is not None and not self._draining
+            self.path, settings, serving=lambda: self._server is not None and not self.path.draining
         )
-        self._draining = False
 
     @property
     def address(self) -> str:
@@ -145,7 +144,6 @@ class GatewayServer:
         if self._server is None:
             return
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
-        self._draining = True
         self.path.draining = True
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         log.info("gateway draining (grace %.0f s)", grace)
