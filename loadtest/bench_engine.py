@@ -432,9 +432,14 @@ def add_peer(
     log: Callable[[str], None],
     runner: PeerRunner | None = None,
     python: Path | None = None,
+    loom_again: Callable[[str], dict[str, Any]] | None = None,
 ) -> None:
     """Serve ``items`` with vLLM in each dtype Loom's continuous mode ran in (``loom_tokens``' keys),
     same limits, cores and warm-up; add ``vllm[_<dtype>]`` rows, Loom / vLLM ratios and ``peer``.
+
+    This machine's speed drifts by 10-30% over minutes (other tenants of the host), and Loom's rows
+    run minutes before the peer's. ``loom_again(dtype)`` reruns Loom's row right after the peer's, and
+    the ratio divides the mean of Loom's two runs (A-B-A), so a drift moves both sides of it.
 
     ``runner`` stands in for ``peer_vllm.run_peer`` (tests); the model directories and vLLM's logs
     live in a temporary directory, kept (and named in the error) only if vLLM fails."""
@@ -470,8 +475,13 @@ def add_peer(
             "output_tokens_per_s": result["output_tokens_per_s"],
         }
         report["modes"][row["mode"]] = row
+        loom_runs = [loom["output_tokens_per_s"]]
+        if loom_again is not None:
+            log(f"running {_loom_mode(dtype)} again, after the peer ...")
+            loom_runs.append(loom_again(dtype)["output_tokens_per_s"])
         peer["versions"] = result.get("versions", {})
         peer["runs"][dtype] = {
+            "loom_output_tokens_per_s": loom_runs,
             "init_s": result.get("init_s"),
             "warmup_s": result.get("warmup_s"),
             "config": result.get("config", {}),
@@ -481,7 +491,7 @@ def add_peer(
             "same_tokens_as_loom": peer_vllm.same_outputs(ours, theirs),
         }
         report["ratios"][f"{_loom_mode(dtype)}_over_{row['mode']}"] = round(
-            loom["output_tokens_per_s"] / row["output_tokens_per_s"], 3
+            statistics.fmean(loom_runs) / row["output_tokens_per_s"], 3
         )
         log(f"  {row} {peer['runs'][dtype]['same_tokens_as_loom']}")
     shutil.rmtree(workdir, ignore_errors=True)
@@ -570,8 +580,8 @@ def to_markdown(report: dict[str, Any]) -> str:
             "only the generate call is timed.",
             "",
             "| dtype | OpenMP cores (reserved) | KV GiB | prefix caching | compilation | preloaded "
-            "| init s | outputs identical to Loom's | common-prefix tokens |",
-            "|---|---|---:|---|---|---|---:|---:|---:|",
+            "| init s | outputs identical to Loom's | common-prefix tokens | Loom tokens/s before, after |",
+            "|---|---|---:|---|---|---|---:|---:|---:|---|",
         ]
         for dtype, r in peer["runs"].items():
             c, same, env = r["config"], r["same_tokens_as_loom"], r["env"]
@@ -581,8 +591,15 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"| {c.get('enable_prefix_caching', '?')} | {c.get('compilation_mode', '?')} "
                 f"| {' '.join(r.get('ld_preload', [])) or 'none'} "
                 f"| {r['init_s']} | {same['identical_requests']}/{same['requests']} "
-                f"| {same['common_prefix_share']:.1%} |"
+                f"| {same['common_prefix_share']:.1%} "
+                f"| {', '.join(f'{x:.1f}' for x in r.get('loom_output_tokens_per_s', []))} |"
             )
+        lines += [
+            "",
+            "Loom / vLLM ratios divide the mean of Loom's runs before and after the peer's (its row "
+            "above, and a rerun right after vLLM's in the same dtype) by vLLM's: the machine's speed "
+            "drifts over minutes, and the bracket moves both sides of the ratio with it.",
+        ]
     r = report.get("roofline")
     if r:
         mach = report["machine"]
@@ -747,6 +764,9 @@ def run_benchmark(
                 log,
                 runner=peer_runner,
                 python=peer_python,
+                loom_again=lambda dtype: run_engine(
+                    ckpt, items, SchedulingMode.CONTINUOUS, max_num_seqs, max_num_batched_tokens, dtype=dtype
+                ),
             )
         finally:
             save_partial()
