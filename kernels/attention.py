@@ -5,8 +5,8 @@ Three implementations share one contract (the batch layout is in :mod:`kernels.a
 * Triton (:mod:`kernels.triton_attention`) on CUDA tensors, or anywhere when forced
   (:func:`kernels.force_triton`, ``LOOM_FORCE_TRITON``); imported on first use, so CPU-only callers
   never import Triton;
-* the compiled CPU decode kernel (:mod:`kernels.attention_cpu`) for CPU tensors, q fp32 or of the
-  caches' dtype, when it built;
+* the compiled CPU kernel (:mod:`kernels.attention_cpu`; decodes and prefill chunks) for CPU
+  tensors, q fp32 or of the caches' dtype, when it built;
 * the torch reference (:mod:`kernels.attention_ref`) otherwise.
 """
 

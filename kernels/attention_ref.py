@@ -143,11 +143,7 @@ def chunks_ref(
     scale: float,
     out: torch.Tensor,
 ) -> None:
-    """The plan's prefill chunks (query rows > 1), one SDPA call each, into ``out``.
-
-    Shared with the compiled CPU path, which replaces only the decodes: chunks are GEMM-bound and
-    torch's SDPA already runs them well.
-    """
+    """The plan's prefill chunks (query rows > 1), one SDPA call each, into ``out``."""
     num_heads, head_dim, num_kv_heads, group = _head_layout(q, k_cache)
     for row, q_len, slots in plan.chunks:
         seq_len = slots.shape[0]

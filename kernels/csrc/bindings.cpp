@@ -2,7 +2,7 @@
 #include <torch/extension.h>
 
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                  torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale);
+                  torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale);
 void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torch::Tensor order,
                      torch::Tensor ranks, torch::Tensor h);
 void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales,

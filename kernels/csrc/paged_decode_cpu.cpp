@@ -1,5 +1,6 @@
-// Paged decode attention for CPU: one query token per sequence, keys and values read in place from
-// the paged cache through the block table (no gathered copies), fp32 accumulation.
+// Paged decode attention for CPU: one query row at a time over a prefix of its sequence's keys, read
+// in place from the paged cache through the block table (no gathered copies), fp32 accumulation.
+// Decode tokens are such rows, and so are the rows of a short prefill chunk (kernels/attention_cpu.py).
 //
 // The torch reference gathers each sequence's keys into a padded buffer and runs batched GEMMs: three
 // passes over the KV bytes plus tiny-GEMM overhead. Here each (sequence, KV head) work item reads its
@@ -242,11 +243,16 @@ KvHeadFn<T> kv_head_fn(int64_t group, int64_t head_dim) {
 }
 #endif
 
+// The i-th of n rows in the order work items take them: first, last, second, second to last, ...
+// at::parallel_for hands each thread a contiguous range, and a prefill chunk's rows grow longer one
+// by one; in this order every range holds short and long rows alike.
+inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
+
 // T: the cache dtype; Q: q's and out's, fp32 or T (a half-precision model's own activations, read and
 // written here so that no fp32 copy of q or of the output is made around the call).
 template <typename T, typename Q>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& seq_lens,
+                   const torch::Tensor& block_tables, const torch::Tensor& key_lens,
                    const torch::Tensor& seqs, const torch::Tensor& rows, torch::Tensor& out, double scale) {
   const int64_t num_decodes = seqs.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
@@ -258,7 +264,7 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const T* kp = k_cache.data_ptr<T>();
   const T* vp = v_cache.data_ptr<T>();
   const int32_t* bt = block_tables.data_ptr<int32_t>();
-  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int32_t* lens = key_lens.data_ptr<int32_t>();
   const int64_t* seq_idx = seqs.data_ptr<int64_t>();
   const int64_t* row_idx = rows.data_ptr<int64_t>();
   Q* op = out.data_ptr<Q>();
@@ -269,12 +275,12 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 
 #if defined(__AVX512F__)
   if (const auto fn = kv_head_fn<T>(group, head_dim)) {
-    // One work item per (sequence, KV head): more items than threads even at small batches.
+    // One work item per (row, KV head): more items than threads even at small batches.
     at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf(group * head_dim), of(group * head_dim);
       for (int64_t w = begin; w < end; ++w) {
-        const int64_t d = w / num_kv_heads, h = w % num_kv_heads;
-        const int64_t s = seq_idx[d], row = row_idx[d], len = lens[s];
+        const int64_t d = zigzag(w / num_kv_heads, num_decodes), h = w % num_kv_heads;
+        const int64_t s = seq_idx[d], row = row_idx[d], len = lens[d];
         scores.resize(group * len);
         const int64_t first = (row * num_heads + h * group) * head_dim;  // query head h * group
         const float* qrow;
@@ -301,9 +307,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   // every byte once, which streams far better than one head's strided slice at a time.
   at::parallel_for(0, num_decodes, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> scores, qs(num_heads * head_dim), acc(num_heads * head_dim);
-    for (int64_t d = begin; d < end; ++d) {
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t d = zigzag(i, num_decodes);
       const int64_t s = seq_idx[d], row = row_idx[d];
-      const int64_t len = lens[s];
+      const int64_t len = lens[d];
       scores.assign(num_heads * len, 0.f);
       const Q* src = qp + row * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = to_f(src[i]) * static_cast<float>(scale);
@@ -329,35 +336,38 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 }  // namespace
 
 // q [T, H, D] and out: fp32, or both the caches' dtype; caches [NB, BS, KVH, D] fp32/bf16/fp16
-// contiguous; block_tables int32 [S, MB]; seq_lens int32 [S]; seqs/rows int64 [num_decodes]: which
-// sequences decode and their query rows. Math in fp32 whatever the dtypes.
+// contiguous; block_tables int32 [S, MB]; seqs/rows int64 and key_lens int32 [num_decodes]: each
+// query row's sequence, its row in q and how many of the sequence's first keys it attends to (a
+// decode: all of them; row i of a prefill chunk after ctx cached tokens: ctx + i + 1, which is causal
+// attention row by row). Math in fp32 whatever the dtypes.
 void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                  torch::Tensor seq_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out,
+                  torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out,
                   double scale) {
   TORCH_CHECK(q.dtype() == out.dtype(), "q and out must share a dtype");
   TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_cache.dtype(),
               "q must be float32 or the caches' dtype");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
-  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && seq_lens.dtype() == torch::kInt32, "int32 metadata");
-  TORCH_CHECK(block_tables.is_contiguous() && seq_lens.is_contiguous(), "contiguous metadata");
+  TORCH_CHECK(block_tables.dtype() == torch::kInt32 && key_lens.dtype() == torch::kInt32, "int32 metadata");
+  TORCH_CHECK(block_tables.is_contiguous() && key_lens.is_contiguous(), "contiguous metadata");
+  TORCH_CHECK(key_lens.numel() == seqs.numel() && rows.numel() == seqs.numel(), "one key count and row per decode");
   TORCH_CHECK(seqs.dtype() == torch::kInt64 && rows.dtype() == torch::kInt64, "int64 seqs and rows");
   TORCH_CHECK(k_cache.dtype() == v_cache.dtype(), "K and V caches must share a dtype");
   const bool f32q = q.dtype() == torch::kFloat32;
   if (k_cache.dtype() == torch::kFloat32) {
-    decode_kernel<float, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+    decode_kernel<float, float>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
   } else if (k_cache.dtype() == torch::kBFloat16) {
     if (f32q) {
-      decode_kernel<c10::BFloat16, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+      decode_kernel<c10::BFloat16, float>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
     } else {
-      decode_kernel<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out,
+      decode_kernel<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out,
                                                   scale);
     }
   } else if (k_cache.dtype() == torch::kFloat16) {
     if (f32q) {
-      decode_kernel<c10::Half, float>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+      decode_kernel<c10::Half, float>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
     } else {
-      decode_kernel<c10::Half, c10::Half>(q, k_cache, v_cache, block_tables, seq_lens, seqs, rows, out, scale);
+      decode_kernel<c10::Half, c10::Half>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
     }
   } else {
     TORCH_CHECK(false, "unsupported cache dtype");

@@ -1,8 +1,9 @@
-"""The compiled CPU decode kernel (kernels/csrc) vs the torch reference vs float64.
+"""The compiled CPU attention kernel (kernels/csrc) vs the torch reference vs float64.
 
-``paged_attention`` on CPU tensors sends decode rows to the compiled kernel and chunk rows to the
-reference; these batches (shuffled block tables, NaN in every slot a sequence does not own, NaN
-output buffers) fail on a wrong block, slot, head or row.
+``paged_attention`` on CPU tensors sends every query row to the compiled kernel, decodes and the
+rows of prefill chunks alike (causal: each row over its prefix of keys); these batches (shuffled
+block tables, NaN in every slot a sequence does not own, NaN output buffers) fail on a wrong block,
+slot, head, row or prefix length.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 from test_triton_attention import attention_f64, make_batch, mixed_lens
 from triton_test_utils import rel_err, tol
 
+from kernels import attention_ref
 from kernels.attention import paged_attention
 from kernels.attention_ref import paged_attention_ref
 from kernels.cpu_kernels import cpu_kernels
@@ -56,11 +58,28 @@ def test_half_precision_model_reads_and_writes_its_own_dtype(dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
-def test_mixed_batch_decodes_compiled_chunks_reference(block_size: int) -> None:
+def test_mixed_batch_decodes_and_chunks_in_the_kernel(
+    block_size: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_sdpa(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a chunk went through the reference's SDPA")
+
+    monkeypatch.setattr(attention_ref.F, "scaled_dot_product_attention", no_sdpa)
     q_lens, ctx = mixed_lens(block_size)
-    b = make_batch(block_size, q_lens, ctx, block_size, 2, 3, 32, torch.float32)
+    b = make_batch(block_size, q_lens, ctx, block_size, 2, 3, 64, torch.float32)
     got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=torch.full(b.q.shape, float("nan")))
     assert rel_err(got, attention_f64(b)) < 1e-5
+
+
+@pytest.mark.parametrize(("group", "head_dim"), [(3, 64), (5, 64)])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_after_cached_context(group: int, head_dim: int, cache_dtype: torch.dtype) -> None:
+    """Rows of one chunk attend to ever longer prefixes (the kernel deals them out first, last,
+    second, ...), beside a decode; register-blocked (group 3) and generic (group 5) loops."""
+    b = make_batch(group + head_dim, [150, 1, 37], [90, 200, 0], 16, 2, group, head_dim, torch.float32)
+    b.k_cache, b.v_cache = b.k_cache.to(cache_dtype), b.v_cache.to(cache_dtype)
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=torch.full(b.q.shape, float("nan")))
+    assert rel_err(got, attention_f64(b)) < (1e-5 if cache_dtype == torch.float32 else tol(cache_dtype))
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(4, 128), (2, 128), (5, 64), (6, 128)])
