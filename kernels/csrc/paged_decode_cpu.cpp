@@ -1,10 +1,10 @@
-// Paged decode attention for CPU: one query row at a time over a prefix of its sequence's keys, read
-// in place from the paged cache through the block table (no gathered copies), fp32 accumulation.
-// Decode tokens are such rows, and so are the rows of a short prefill chunk (kernels/attention_cpu.py).
+// Paged attention for CPU, one query row at a time over a prefix of its sequence's keys, read in
+// place from the paged cache through the block table (no gathered copies), fp32 accumulation. Decode
+// tokens are such rows, and so are the rows of prefill chunks (kernels/attention_cpu.py).
 //
 // The torch reference gathers each sequence's keys into a padded buffer and runs batched GEMMs: three
-// passes over the KV bytes plus tiny-GEMM overhead. Here each (sequence, KV head) work item reads its
-// keys and values exactly once, for all the query heads of its group, which is what a decode step is
+// passes over the KV bytes plus tiny-GEMM overhead. Here each (row, KV head) work item reads its keys
+// and values exactly once, for all the query heads of its group, which is what a decode step is
 // bound by.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
