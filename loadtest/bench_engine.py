@@ -340,15 +340,26 @@ def measure_machine() -> dict[str, float]:
         dst.copy_(src)
         copies.append(time.perf_counter() - t)
     bandwidth = 2 * src.numel() * 4 / min(copies)
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    # The faster of torch.mm and oneDNN's prepacked linear (the path Loom's projections take, see
+    # worker/dense.py): on AMD CPUs torch.mm's MKL GEMM ran slower than the prepacked one, and a
+    # roofline from it put large decode steps below 1.0x.
+    n = 2048
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    gemms = [lambda: torch.mm(a, b)]
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(b, n)
+        gemms.append(lambda: torch.ops.mkldnn._linear_pointwise(a, packed, None, "none", [], ""))
+    except (AttributeError, RuntimeError):  # a torch build without oneDNN
+        pass
     mm = []
-    for _ in range(5):
-        t = time.perf_counter()
-        torch.mm(a, b)
-        mm.append(time.perf_counter() - t)
+    for gemm in gemms:
+        for _ in range(5):
+            t = time.perf_counter()
+            gemm()
+            mm.append(time.perf_counter() - t)
     return {
         "memory_bandwidth_gb_s": round(bandwidth / 1e9, 2),
-        "matmul_gflop_s": round(2 * 2048**3 / min(mm) / 1e9, 1),
+        "matmul_gflop_s": round(2 * n**3 / min(mm) / 1e9, 1),
     }
 
 
@@ -607,7 +618,8 @@ def to_markdown(report: dict[str, Any]) -> str:
             "",
             f"Decode steps against this CPU's roofline: max(weight + KV bytes at "
             f"{mach['memory_bandwidth_gb_s']} GB/s measured copy bandwidth, FLOPs at "
-            f"{mach['matmul_gflop_s']} GFLOP/s measured fp32 GEMM rate). Median of 10 steps.",
+            f"{mach['matmul_gflop_s']} GFLOP/s measured fp32 GEMM rate, the faster of torch.mm and "
+            "oneDNN's prepacked linear at 2048x2048x2048). Median of 10 steps.",
             "",
             "| batch | context | step ms | decode tokens/s | memory-bound ms | compute-bound ms "
             "| step / roofline |",
