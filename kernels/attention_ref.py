@@ -26,8 +26,7 @@ class ReferencePlan:
     """
 
     block_size: int
-    decode_seqs: torch.Tensor  # long [D]: sequences with a single query token
-    decode_rows: torch.Tensor  # long [D]: their query rows
+    decode_rows: torch.Tensor  # long [D]: query rows of the sequences with a single query token
     decode_slots: torch.Tensor  # long [D * L]
     decode_bias: torch.Tensor  # fp32 [D, 1, L]: 0 where a key exists, -inf past the end
     chunks: list[tuple[int, int, torch.Tensor]]  # (first row, q_len, slots [seq_len]) per chunk
@@ -60,7 +59,6 @@ class ReferencePlan:
         )
         return cls(
             block_size=block_size,
-            decode_seqs=seqs,
             decode_rows=torch.tensor(dec_r, dtype=torch.long, device=device),
             decode_slots=slots.reshape(-1),
             decode_bias=bias[:, None, :],
