@@ -58,15 +58,16 @@ def test_half_precision_model_reads_and_writes_its_own_dtype(dtype: torch.dtype)
 
 
 @pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("head_dim", [32, 64])  # the generic loop, the register-blocked one
 def test_mixed_batch_decodes_and_chunks_in_the_kernel(
-    block_size: int, monkeypatch: pytest.MonkeyPatch
+    block_size: int, head_dim: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def no_sdpa(*args: object, **kwargs: object) -> None:
         raise AssertionError("a chunk went through the reference's SDPA")
 
     monkeypatch.setattr(attention_ref.F, "scaled_dot_product_attention", no_sdpa)
     q_lens, ctx = mixed_lens(block_size)
-    b = make_batch(block_size, q_lens, ctx, block_size, 2, 3, 64, torch.float32)
+    b = make_batch(block_size, q_lens, ctx, block_size, 2, 3, head_dim, torch.float32)
     got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=torch.full(b.q.shape, float("nan")))
     assert rel_err(got, attention_f64(b)) < 1e-5
 
