@@ -27,6 +27,7 @@ _SOURCES = [
         "kv_write_cpu.cpp",
         "lora_cpu.cpp",
         "layer_ops_cpu.cpp",
+        "dense_cpu.cpp",
         "bindings.cpp",
     )
 ]

@@ -1,4 +1,8 @@
-"""Dense projections ``y = x @ W.T (+ b)``, with weights prepacked for oneDNN on CPU.
+"""Dense projections ``y = x @ W.T (+ b)``, with weights packed once for a faster CPU GEMM.
+
+fp32 on AVX-512 CPUs: Loom's compiled kernel (kernels/dense.py), which reads the weights closer to
+the copy bandwidth than oneDNN at decode batch sizes (docs/adr/0003, addendum 2). Elsewhere (bf16,
+AVX2): oneDNN's prepacked linear, as follows.
 
 A plain fp32 GEMM re-packs the weight on every call; at decode batch sizes (8-128 rows) that costs
 as much as the math. Reordering each weight once into oneDNN's blocked layout made the projections
@@ -12,9 +16,12 @@ weight is kept and used.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from kernels.dense import PackedWeight, pack_weight, packed_linear
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +45,17 @@ def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
     )
 
 
+def _agrees(
+    linear: Callable[[torch.Tensor], torch.Tensor], weight: torch.Tensor, bias: torch.Tensor | None
+) -> bool:
+    """Whether a packed path gives the plain GEMM's answer on a probe (a broken build must not serve)."""
+    probe = torch.randn(3, weight.shape[1], dtype=weight.dtype)
+    want = F.linear(probe, weight, bias)
+    got = linear(probe)
+    tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16 rounds its output
+    return torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max()))
+
+
 class Dense:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
@@ -45,14 +63,18 @@ class Dense:
         self.nbytes = weight.numel() * weight.element_size()
         self._weight: torch.Tensor | None = weight
         self._packed: torch.Tensor | None = None
+        self._panels: PackedWeight | None = None
+        if prepack and (panels := pack_weight(weight)) is not None:
+            if _agrees(lambda x: packed_linear(x, panels, bias), weight, bias):
+                self._panels = panels
+                self._weight = None
+                return
+            log.warning("the compiled dense kernel disagrees with the plain GEMM; not using it")
         if prepack and _onednn_usable(weight.device, weight.dtype):
             try:
                 packed = torch.ops.mkldnn._reorder_linear_weight(weight, _PACK_BATCH_HINT)
-                probe = torch.randn(3, self.in_features, dtype=weight.dtype)
-                want = F.linear(probe, weight, bias)
-                got = torch.ops.mkldnn._linear_pointwise(probe, packed, bias, "none", [], "")
-                tol = 1e-4 if weight.dtype == torch.float32 else 2e-2  # bf16 rounds its output
-                if torch.allclose(got.float(), want.float(), rtol=tol, atol=tol * float(want.abs().max())):
+                onednn = lambda x: torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")  # noqa: E731
+                if _agrees(onednn, weight, bias):
                     self._packed = packed
                     self._weight = None  # one copy of the weights, not two
                 else:
@@ -61,6 +83,8 @@ class Dense:
                 log.info("oneDNN prepacking unavailable (%s); using the plain GEMM", exc)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._panels is not None:
+            return packed_linear(x, self._panels, self.bias)
         if self._packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
         assert self._weight is not None

@@ -11,6 +11,9 @@ void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tens
                   torch::Tensor residual_out, torch::Tensor out);
 void silu_and_mul_cpu(torch::Tensor x, torch::Tensor out);
 void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin);
+bool dense_available();
+torch::Tensor dense_pack(torch::Tensor w);
+void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out);
 void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
 
@@ -21,5 +24,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");
   m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32 or bf16)");
   m.def("silu_and_mul", &silu_and_mul_cpu, "SiLU-and-mul (CPU, fp32 or bf16)");
+  m.def("dense_available", &dense_available, "whether dense_pack / dense_cpu were built (AVX-512)");
+  m.def("dense_pack", &dense_pack, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
+  m.def("dense_cpu", &dense_cpu, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
   m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
 }

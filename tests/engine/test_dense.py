@@ -1,10 +1,12 @@
-"""Dense projections: the oneDNN-prepacked path equals a float64 GEMM, in fp32 and (natively) bf16."""
+"""Dense projections: the packed paths (the compiled kernel in fp32 on AVX-512, oneDNN otherwise)
+equal a float64 GEMM, in fp32 and (natively) bf16."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from kernels.cpu_kernels import cpu_kernels
 from worker.dense import Dense
 
 
@@ -20,5 +22,11 @@ def test_projection_matches_float64(rows: int, dtype: torch.dtype, tol: float) -
     got = dense(x).double()
     assert ((got - want).norm() / want.norm()).item() < tol
     native_bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
-    # fp32 is always prepacked; bf16 only where the CPU computes it natively (else it would be slower).
-    assert (dense._packed is not None) == (dtype == torch.float32 or native_bf16)
+    compiled = cpu_kernels() is not None and cpu_kernels().dense_available()
+    # fp32: the compiled kernel where it was built, else oneDNN; bf16: oneDNN only where the CPU
+    # computes it natively (else it would be slower). Never the plain copy beside a packed one.
+    assert (dense._panels is not None) == (dtype == torch.float32 and compiled)
+    assert (dense._packed is not None) == (
+        (dtype == torch.bfloat16 and native_bf16) or (dtype == torch.float32 and not compiled)
+    )
+    assert (dense._weight is None) == (dense._panels is not None or dense._packed is not None)

@@ -111,7 +111,12 @@ def test_bf16_rounds_where_the_bf16_reference_rounds(compiled: ModuleType) -> No
     gu = (torch.randn(rows, 2 * 80, generator=g) * 4).bfloat16()
     act = torch.full((rows, 80), float("nan"), dtype=torch.bfloat16)
     compiled.silu_and_mul(gu, act)
-    assert _ulps(act, silu_and_mul_ref(gu)) <= 1
+    # two rounding points (after SiLU, after the product), each at most one ulp from torch's SiLU,
+    # whose exp differs per CPU: a 1-ulp SiLU difference times the up value can round 2 ulps apart
+    # (seen on an AVX512-FP16 Xeon; the AMD EPYC matched within 1)
+    assert _ulps(act, silu_and_mul_ref(gu)) <= 2
+    g64, u64 = gu[:, :80].double(), gu[:, 80:].double()
+    assert rel_err(act, g64 / (1 + torch.exp(-g64)) * u64) < 1e-2
     assert torch.equal(silu_and_mul(gu), act)
 
     heads, kv_heads, hd = 4, 2, 16

@@ -1,0 +1,49 @@
+"""fp32 projections from weights packed once for the compiled AVX-512 kernel (csrc/dense_cpu.cpp).
+
+The decode step's projections stream their weights at 1-64 rows; the compiled kernel reads them
+closer to the copy bandwidth than oneDNN's prepacked linear (docs/adr/0003, addendum 2). It exists
+only in the AVX-512 build, and only for fp32: in bf16, oneDNN's AVX512-BF16/AMX path stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import ModuleType
+
+import torch
+
+from kernels.cpu_kernels import cpu_kernels
+
+_NO_BIAS = torch.empty(0)
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight ``[out_features, in_features]`` in the kernel's 32-column panels (zero padded)."""
+
+    panels: torch.Tensor
+    out_features: int
+    in_features: int
+    module: ModuleType
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed weight, or None where the compiled kernel cannot serve it (not fp32 on CPU, no
+    AVX-512, kernels disabled or unbuildable): the caller keeps its own path then."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    module = cpu_kernels()
+    if module is None or not module.dense_available():
+        return None
+    out_features, in_features = weight.shape
+    return PackedWeight(module.dense_pack(weight.contiguous()), out_features, in_features, module)
+
+
+def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` for ``x`` of shape ``[..., in_features]``, fp32."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.in_features}")
+    rows = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
+    out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
+    weight.module.dense_cpu(rows, weight.panels, _NO_BIAS if bias is None else bias.contiguous(), out)
+    return out.view(*x.shape[:-1], weight.out_features)

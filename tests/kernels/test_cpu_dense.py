@@ -1,0 +1,59 @@
+"""The compiled fp32 projection kernel (kernels/csrc/dense_cpu.cpp) against a float64 GEMM.
+
+Shapes cross every edge of the kernel's tiling: output columns that fill no, one or several 32-column
+panels with a ragged last one, row counts that split into balanced register tiles (1-12 rows, 13 ->
+7 + 6, 25 -> 9 + 8 + 8) and the prefetch modes that go with them, a panel count that does not split
+evenly over the threads, with and without bias. Outputs start as NaN, so a cell the kernel skips fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernels.cpu_kernels import cpu_kernels
+from kernels.dense import pack_weight, packed_linear
+
+module = cpu_kernels()
+pytestmark = pytest.mark.skipif(
+    module is None or not module.dense_available(),
+    reason="the compiled dense kernel exists only in the AVX-512 build (oneDNN serves other CPUs)",
+)
+
+
+def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max()).item()
+
+
+@pytest.mark.parametrize("out_features", [5, 32, 45, 96, 161])
+@pytest.mark.parametrize("rows", [1, 3, 12, 13, 25, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_matches_float64(out_features: int, rows: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(out_features * 1000 + rows)
+    in_features = 37
+    w = torch.randn(out_features, in_features, generator=g)
+    b = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g)
+    packed = pack_weight(w)
+    assert packed is not None
+    out = torch.full((rows, out_features), float("nan"))
+    module.dense_cpu(x, packed.panels, torch.empty(0) if b is None else b, out)
+    want = x.double() @ w.double().t() + (0 if b is None else b.double())
+    assert _relative_error(out, want) < 1e-6
+
+
+def test_leading_dims_and_strided_input() -> None:
+    """packed_linear takes [..., in] (a transposed, non-contiguous view included) like F.linear."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(70, 48, generator=g)
+    x = torch.randn(48, 3, 4, generator=g).permute(1, 2, 0)  # [3, 4, 48], not contiguous
+    got = packed_linear(x, pack_weight(w))
+    assert got.shape == (3, 4, 70)
+    assert _relative_error(got, x.double() @ w.double().t()) < 1e-6
+    assert packed_linear(torch.empty(0, 48), pack_weight(w)).shape == (0, 70)
+
+
+def test_refuses_what_it_cannot_serve() -> None:
+    assert pack_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None  # bf16 stays with oneDNN
+    with pytest.raises(ValueError, match="x has 9 features, the weight takes 8"):
+        packed_linear(torch.randn(2, 9), pack_weight(torch.randn(4, 8)))
