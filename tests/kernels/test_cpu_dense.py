@@ -8,17 +8,24 @@ evenly over the threads, with and without bias. Outputs start as NaN, so a cell 
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import pytest
 import torch
 
 from kernels.cpu_kernels import cpu_kernels
 from kernels.dense import pack_weight, packed_linear
 
-module = cpu_kernels()
-pytestmark = pytest.mark.skipif(
-    module is None or not module.dense_available(),
-    reason="the compiled dense kernel exists only in the AVX-512 build (oneDNN serves other CPUs)",
-)
+
+@pytest.fixture(scope="module")
+def module() -> ModuleType:
+    compiled = cpu_kernels()
+    assert compiled is not None, "the CPU kernels did not build on this machine"
+    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+        assert not compiled.dense_available()
+        pytest.skip("the compiled dense kernel exists only in the AVX-512 build (oneDNN serves this CPU)")
+    assert compiled.dense_available()
+    return compiled
 
 
 def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -28,7 +35,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 @pytest.mark.parametrize("out_features", [5, 32, 45, 96, 161])
 @pytest.mark.parametrize("rows", [1, 3, 12, 13, 25, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_matches_float64(out_features: int, rows: int, with_bias: bool) -> None:
+def test_matches_float64(module: ModuleType, out_features: int, rows: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(out_features * 1000 + rows)
     in_features = 37
     w = torch.randn(out_features, in_features, generator=g)
@@ -42,7 +49,7 @@ def test_matches_float64(out_features: int, rows: int, with_bias: bool) -> None:
     assert _relative_error(out, want) < 1e-6
 
 
-def test_leading_dims_and_strided_input() -> None:
+def test_leading_dims_and_strided_input(module: ModuleType) -> None:
     """packed_linear takes [..., in] (a transposed, non-contiguous view included) like F.linear."""
     g = torch.Generator().manual_seed(5)
     w = torch.randn(70, 48, generator=g)
@@ -53,7 +60,7 @@ def test_leading_dims_and_strided_input() -> None:
     assert packed_linear(torch.empty(0, 48), pack_weight(w)).shape == (0, 70)
 
 
-def test_refuses_what_it_cannot_serve() -> None:
+def test_refuses_what_it_cannot_serve(module: ModuleType) -> None:
     assert pack_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None  # bf16 stays with oneDNN
     with pytest.raises(ValueError, match="x has 9 features, the weight takes 8"):
         packed_linear(torch.randn(2, 9), pack_weight(torch.randn(4, 8)))
