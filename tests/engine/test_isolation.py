@@ -12,6 +12,7 @@ from tests.helpers import eventually
 from worker.checkpoint import Checkpoint
 from worker.engine import EngineConfig, LLMEngine
 from worker.request import FinishReason, GenerationRequest, SamplingParams
+from worker.sampler import RequestRng
 from worker.sampler import sample as real_sample
 
 POISON_SEED = 424242  # marks the request whose logits the fault hits
@@ -108,3 +109,19 @@ async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
             replica.check_health()
     finally:
         replica.engine.shutdown()
+
+
+def test_greedy_rows_take_the_first_maximum_and_skip_non_finite_rows() -> None:
+    """Greedy picks the lowest index among tied maxima (as argmax does) in a batch mixing greedy,
+    sampled and non-finite rows; only the non-finite row gets no token."""
+    logits = torch.zeros(4, 300)
+    logits[0, [7, 200]] = 5.0  # tied: 7
+    logits[1, 40] = 9.0  # sampled row
+    logits[2, [250, 3]] = 2.0  # tied: 3
+    logits[3, 11] = float("nan")
+    params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams()]
+    rngs: list[Any] = [None, RequestRng(1), None, None]
+    got = real_sample(logits, params, rngs)
+    assert got[0] == 7 and got[2] == 3 and got[3] is None and isinstance(got[1], int)
+    all_greedy = real_sample(logits[[0, 2]], [SamplingParams(), SamplingParams()], [None, None])
+    assert all_greedy == [7, 3]
