@@ -50,6 +50,9 @@ def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path
         "continuous_over_hf_static",
     }
     assert saved["roofline"]["step_over_roofline"] > 0
+    for probe in saved["roofline_points"]:  # phase by phase can only be slower than overlapped
+        assert probe["sequential_bound_ms"] >= probe["roofline_ms"] > 0
+        assert probe["step_over_sequential_bound"] <= probe["step_over_roofline"]
     assert len(saved["roofline_points"]) == 2
     assert saved["roofline"] in saved["roofline_points"]
     md = (tmp_path / "engine.md").read_text()
