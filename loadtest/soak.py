@@ -103,6 +103,9 @@ class SoakConfig:
     http_address: str | None = None
     api_keys: list[str] = field(default_factory=list)
     model: str = "tiny"
+    # A process whose resident memory still grows faster than this over its last two minutes fails the
+    # soak: a leak shows as a steady slope after warm-up (an SDPA prefill path once grew 24 MiB/min).
+    max_growth_mb_per_min: float = 5.0
 
 
 @dataclass
@@ -502,6 +505,19 @@ def memory_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def still_growing(memory: dict[str, Any], limit_mb_per_min: float) -> list[str]:
+    """The processes (gateway, replica PID) whose memory grew faster than the limit at the end."""
+    processes = [
+        ("gateway", memory["gateway"]),
+        *((f"replica {p}", g) for p, g in memory["replicas"].items()),
+    ]
+    return [
+        name
+        for name, g in processes
+        if g["mb_per_min_at_end"] is not None and g["mb_per_min_at_end"] > limit_mb_per_min
+    ]
+
+
 def _summary(
     cfg: SoakConfig,
     run: Run,
@@ -513,8 +529,11 @@ def _summary(
     streams = run.streams
     codes = Counter(r.code for r in streams)
     completed = [r for r in streams if r.code == "OK" and r.finished]
+    memory = memory_summary(run.memory)
+    growing = still_growing(memory, cfg.max_growth_mb_per_min)
     verdict_problems = (
         len(mismatches)
+        + len(growing)
         + sum(
             leaks.get(k, 0)
             for k in (
@@ -548,7 +567,8 @@ def _summary(
         "faults": [vars(f) for f in run.faults],
         "faults_by_kind": dict(Counter(f.kind for f in run.faults)),
         "leaks": leaks,
-        "memory": memory_summary(run.memory),
+        "memory": memory,
+        "memory_still_growing": growing,
         "problems": verdict_problems,
         "verdict": "pass" if verdict_problems == 0 else "FAIL",
     }
@@ -594,6 +614,11 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| tenants whose metered usage differs from their charges | {leaks['usage_mismatch']} |",
             f"| preemptions (surviving replicas) | {leaks['preemptions']:g} |",
         ]
+    if "memory_still_growing" in report:
+        lines.append(
+            f"| processes whose memory still grows over {cfg.get('max_growth_mb_per_min', 5.0):g} MiB/min "
+            f"at the end | {len(report['memory_still_growing'])} |"
+        )
     lines += [
         "",
         "Faults injected: " + ", ".join(f"{k} x{v}" for k, v in report["faults_by_kind"].items()) + ".",
