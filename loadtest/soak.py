@@ -505,15 +505,16 @@ def memory_summary(samples: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def _processes(memory: dict[str, Any]) -> list[tuple[str, dict[str, float | None]]]:
+    """Each process's name (gateway, replica PID) and its growth figures, in report order."""
+    return [("gateway", memory["gateway"]), *((f"replica {p}", g) for p, g in memory["replicas"].items())]
+
+
 def still_growing(memory: dict[str, Any], limit_mb_per_min: float) -> list[str]:
-    """The processes (gateway, replica PID) whose memory grew faster than the limit at the end."""
-    processes = [
-        ("gateway", memory["gateway"]),
-        *((f"replica {p}", g) for p, g in memory["replicas"].items()),
-    ]
+    """The processes whose memory grew faster than the limit at the end."""
     return [
         name
-        for name, g in processes
+        for name, g in _processes(memory)
         if g["mb_per_min_at_end"] is not None and g["mb_per_min_at_end"] > limit_mb_per_min
     ]
 
@@ -615,9 +616,10 @@ def to_markdown(report: dict[str, Any]) -> str:
             f"| preemptions (surviving replicas) | {leaks['preemptions']:g} |",
         ]
     if "memory_still_growing" in report:
+        limit = cfg.get("max_growth_mb_per_min", SoakConfig.max_growth_mb_per_min)
         lines.append(
-            f"| processes whose memory still grows over {cfg.get('max_growth_mb_per_min', 5.0):g} MiB/min "
-            f"at the end | {len(report['memory_still_growing'])} |"
+            f"| processes whose memory still grows over {limit:g} MiB/min at the end "
+            f"| {len(report['memory_still_growing'])} |"
         )
     lines += [
         "",
@@ -654,10 +656,7 @@ def to_markdown(report: dict[str, Any]) -> str:
         *(
             f"| {name} | {g['first_mb']} | {g['last_mb']} | {g['max_mb']} | {g['growth_mb']} | "
             f"{g['mb_per_min_at_end'] if g['mb_per_min_at_end'] is not None else '-'} |"
-            for name, g in [
-                ("gateway", mem["gateway"]),
-                *((f"replica {p}", g) for p, g in mem["replicas"].items()),
-            ]
+            for name, g in _processes(mem)
         ),
         "",
         f"The server exited with status {report.get('server_exit_code')} after SIGTERM (drain).",
