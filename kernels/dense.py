@@ -1,8 +1,9 @@
-"""fp32 projections from weights packed once for the compiled AVX-512 kernel (csrc/dense_cpu.cpp).
+"""fp32 projections from weights packed once for the compiled kernel (csrc/dense_cpu.cpp).
 
 The decode step's projections stream their weights at 1-64 rows; the compiled kernel reads them
-closer to the copy bandwidth than oneDNN's prepacked linear (docs/adr/0003, addendum 2). It exists
-only in the AVX-512 build, and only for fp32: in bf16, oneDNN's AVX512-BF16/AMX path stays.
+closer to the copy bandwidth than oneDNN's prepacked linear (docs/adr/0003, addenda 2 and 3). It
+exists in the AVX-512 and AVX2 builds (panels of 32 and 16 columns), and only for fp32: in bf16,
+oneDNN's AVX512-BF16/AMX path stays.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ _NO_BIAS = torch.empty(0)
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight ``[out_features, in_features]`` in the kernel's 32-column panels (zero padded)."""
+    """A weight ``[out_features, in_features]`` in the kernel's panels (zero padded)."""
 
     panels: torch.Tensor
     out_features: int
@@ -29,7 +30,7 @@ class PackedWeight:
 
 def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
     """The packed weight, or None where the compiled kernel cannot serve it (not fp32 on CPU, no
-    AVX-512, kernels disabled or unbuildable): the caller keeps its own path then."""
+    AVX-512 or AVX2, kernels disabled or unbuildable): the caller keeps its own path then."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     module = cpu_kernels()

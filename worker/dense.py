@@ -1,8 +1,8 @@
 """Dense projections ``y = x @ W.T (+ b)``, with weights packed once for a faster CPU GEMM.
 
-fp32 on AVX-512 CPUs: Loom's compiled kernel (kernels/dense.py), which reads the weights closer to
-the copy bandwidth than oneDNN at decode batch sizes (docs/adr/0003, addendum 2). Elsewhere (bf16,
-AVX2): oneDNN's prepacked linear, as follows.
+fp32 on AVX-512 and AVX2 CPUs: Loom's compiled kernel (kernels/dense.py), which reads the weights
+closer to the copy bandwidth than oneDNN at decode batch sizes (docs/adr/0003, addenda 2 and 3).
+Elsewhere (bf16, or a build without the kernel): oneDNN's prepacked linear, as follows.
 
 A plain fp32 GEMM re-packs the weight on every call; at decode batch sizes (8-128 rows) that costs
 as much as the math. Reordering each weight once into oneDNN's blocked layout made the projections

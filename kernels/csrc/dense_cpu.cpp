@@ -1,17 +1,19 @@
-// fp32 projections y = x @ W.T (+ b) for CPU, AVX-512: the decode step's GEMMs at 1-256 rows.
+// fp32 projections y = x @ W.T (+ b) for CPU: the decode step's GEMMs at 1-256 rows.
 //
 // At decode batch sizes a projection is a stream of its weights: at 1-16 rows oneDNN's prepacked
 // linear read them at 13-20 GB/s of the ~26-28 a copy reaches (docs/adr/0003). Here the weight is
-// packed once into panels of 32 output columns, each panel K rows of 32 contiguous floats, so a
-// thread walks one sequential stream per panel (what the hardware prefetcher follows best) and a
-// software prefetch runs a few KB ahead of it. A micro-kernel keeps up to 12 rows x 32 columns of
-// accumulators in registers (24 of the 32 zmm): per k it loads the two weight vectors once and
-// broadcasts one x value per row. With more rows than a tile holds, the tiles of a panel reread it
+// packed once into panels of two vectors' worth of output columns (32 on AVX-512, 16 on AVX2), each
+// panel K rows of contiguous floats, so a thread walks one sequential stream per panel (what the
+// hardware prefetcher follows best) and a software prefetch runs a few KB ahead of it. A micro-kernel
+// keeps a tile of rows x the panel's columns of accumulators in registers (12 x 32 on AVX-512: 24 of
+// the 32 zmm; 6 x 16 on AVX2: 12 of the 16 ymm): per k it loads the panel's two weight vectors once
+// and broadcasts one x value per row. With more rows than a tile holds, the tiles of a panel reread it
 // from L2, and the last of them prefetches the next panel, so DRAM works while the FMAs do.
 //
 // Each output is one fp32 FMA chain over k in order, as a naive GEMM sums (no split-K), so it
 // differs from oneDNN's or MKL's result only by rounding order, far inside the fp32 tests' 1e-5.
-// Built for AVX-512 only; on other CPUs `dense_available()` is false and Loom keeps oneDNN.
+// Built for AVX-512 and for AVX2 with FMA; elsewhere `dense_available()` is false and Loom keeps
+// oneDNN.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -19,14 +21,47 @@
 #include <array>
 #include <utility>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 
 namespace {
 
-constexpr int64_t kPanel = 32;       // output columns per panel: two zmm
-constexpr int kMaxRows = 12;         // rows per register tile: 24 accumulators
-constexpr int64_t kPrefetchRows = 48;  // k rows (48 x 128 B) the single-tile stream prefetches ahead
+// The ISA's vector, and the few operations the micro-kernel needs, with stores and bias loads
+// limited to the first n lanes (a ragged last panel).
+#if defined(__AVX512F__)
+using Vec = __m512;
+constexpr int kLanes = 16;
+constexpr int kMaxRows = 12;  // 24 accumulators of 32 zmm
+inline Vec vzero() { return _mm512_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm512_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+inline __mmask16 lanes(int64_t n) {
+  return n >= kLanes ? static_cast<__mmask16>(0xFFFF) : n <= 0 ? 0 : static_cast<__mmask16>((1u << n) - 1);
+}
+inline Vec vload_first(const float* p, int64_t n) { return _mm512_maskz_loadu_ps(lanes(n), p); }
+inline void vstore_first(float* p, Vec v, int64_t n) { _mm512_mask_storeu_ps(p, lanes(n), v); }
+#else
+using Vec = __m256;
+constexpr int kLanes = 8;
+constexpr int kMaxRows = 6;  // 12 accumulators of 16 ymm, leaving two for the weights, one broadcast
+inline Vec vzero() { return _mm256_setzero_ps(); }
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float v) { return _mm256_set1_ps(v); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+inline __m256i lanes(int64_t n) {
+  const int64_t k = std::clamp<int64_t>(n, 0, kLanes);
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(k)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+inline Vec vload_first(const float* p, int64_t n) { return _mm256_maskload_ps(p, lanes(n)); }
+inline void vstore_first(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, lanes(n), v); }
+#endif
+
+constexpr int64_t kPanel = 2 * kLanes;                 // output columns per panel: two vectors
+constexpr int64_t kLine = 64 / sizeof(float);          // floats per cache line
+constexpr int64_t kPrefetchRows = 6144 / (kPanel * 4);  // the single-tile stream prefetches 6 KB ahead
 
 enum Prefetch { kNone = 0, kAhead = 1, kNextPanel = 2 };
 
@@ -34,34 +69,32 @@ enum Prefetch { kNone = 0, kAhead = 1, kNextPanel = 2 };
 template <int MR, int PF>
 void tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy, int64_t ncols,
           const float* bias, const float* pf) {
-  __m512 lo[MR], hi[MR];
+  Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) {
-    lo[r] = _mm512_setzero_ps();
-    hi[r] = _mm512_setzero_ps();
+    lo[r] = vzero();
+    hi[r] = vzero();
   }
   for (int64_t k = 0; k < K; ++k) {
-    if (PF == kAhead) {  // into L1: this tile is the panel's only reader
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel), _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + 16), _MM_HINT_T0);
-    } else if (PF == kNextPanel) {  // into L2: the next panel's first tile reads it from there
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + 16), _MM_HINT_T1);
+    for (int64_t c = 0; c < kPanel; c += kLine) {
+      if (PF == kAhead) {  // into L1: this tile is the panel's only reader
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + c), _MM_HINT_T0);
+      } else if (PF == kNextPanel) {  // into L2: the next panel's first tile reads it from there
+        _mm_prefetch(reinterpret_cast<const char*>(pf + k * kPanel + c), _MM_HINT_T1);
+      }
     }
-    const __m512 w0 = _mm512_loadu_ps(p + k * kPanel), w1 = _mm512_loadu_ps(p + k * kPanel + 16);
+    const Vec w0 = vload(p + k * kPanel), w1 = vload(p + k * kPanel + kLanes);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * ldx + k]);
-      lo[r] = _mm512_fmadd_ps(xb, w0, lo[r]);
-      hi[r] = _mm512_fmadd_ps(xb, w1, hi[r]);
+      const Vec xb = vset1(x[r * ldx + k]);
+      lo[r] = vfma(xb, w0, lo[r]);
+      hi[r] = vfma(xb, w1, hi[r]);
     }
   }
-  const __mmask16 m0 = ncols >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << ncols) - 1);
-  const __mmask16 m1 = ncols >= 32 ? 0xFFFF : ncols <= 16 ? 0 : static_cast<__mmask16>((1u << (ncols - 16)) - 1);
-  const __m512 b0 = bias ? _mm512_maskz_loadu_ps(m0, bias) : _mm512_setzero_ps();
-  const __m512 b1 = bias ? _mm512_maskz_loadu_ps(m1, bias + 16) : _mm512_setzero_ps();
+  const Vec b0 = bias ? vload_first(bias, ncols) : vzero();
+  const Vec b1 = bias ? vload_first(bias + kLanes, ncols - kLanes) : vzero();
   for (int r = 0; r < MR; ++r) {
-    _mm512_mask_storeu_ps(y + r * ldy, m0, _mm512_add_ps(lo[r], b0));
-    _mm512_mask_storeu_ps(y + r * ldy + 16, m1, _mm512_add_ps(hi[r], b1));
+    vstore_first(y + r * ldy, vadd(lo[r], b0), ncols);
+    vstore_first(y + r * ldy + kLanes, vadd(hi[r], b1), ncols - kLanes);
   }
 }
 
@@ -81,7 +114,8 @@ const std::array<TileFn, kMaxRows + 1> kTiles[3] = {tiles_for<kNone>(kRows), til
 
 bool dense_available() { return true; }
 
-// W [N, K] -> [ceil(N / 32), K, 32]: panel p holds output columns 32p..32p+31, k-major, zero padded.
+// W [N, K] -> [ceil(N / P), K, P] for the ISA's panel width P: panel p holds output columns
+// P*p..P*p+P-1, k-major, zero padded.
 torch::Tensor dense_pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat32, "dense_pack takes a 2-d fp32 weight");
   const int64_t N = w.size(0), K = w.size(1), panels = (N + kPanel - 1) / kPanel;
@@ -122,14 +156,14 @@ void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch:
   });
 }
 
-#else  // no AVX-512: oneDNN serves the projections (worker/dense.py asks dense_available() first)
+#else  // neither AVX-512 nor AVX2: oneDNN serves the projections (worker/dense.py asks dense_available())
 
 bool dense_available() { return false; }
 
-torch::Tensor dense_pack(torch::Tensor) { TORCH_CHECK(false, "dense_pack needs AVX-512"); }
+torch::Tensor dense_pack(torch::Tensor) { TORCH_CHECK(false, "dense_pack needs AVX-512 or AVX2"); }
 
 void dense_cpu(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
-  TORCH_CHECK(false, "dense_cpu needs AVX-512");
+  TORCH_CHECK(false, "dense_cpu needs AVX-512 or AVX2");
 }
 
 #endif

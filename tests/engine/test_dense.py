@@ -1,5 +1,5 @@
-"""Dense projections: the packed paths (the compiled kernel in fp32 on AVX-512, oneDNN otherwise)
-equal a float64 GEMM, in fp32 and (natively) bf16."""
+"""Dense projections: the packed paths (the compiled kernel in fp32 on AVX-512 and AVX2, oneDNN
+otherwise) equal a float64 GEMM, in fp32 and (natively) bf16."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """The compiled fp32 projection kernel (kernels/csrc/dense_cpu.cpp) against a float64 GEMM.
 
-Shapes cross every edge of the kernel's tiling: output columns that fill no, one or several 32-column
-panels with a ragged last one, row counts that split into balanced register tiles (1-12 rows, 13 ->
-7 + 6, 25 -> 9 + 8 + 8) and the prefetch modes that go with them, a panel count that does not split
-evenly over the threads, with and without bias. Outputs start as NaN, so a cell the kernel skips fails.
+Shapes cross every edge of the kernel's tiling on both builds: output columns that fill no, one or
+several panels (32 columns on AVX-512, 16 on AVX2) with a ragged last one, a ragged second vector
+included, row counts that split into balanced register tiles (AVX-512: 1-12 rows, 13 -> 7 + 6, 25 ->
+9 + 8 + 8; AVX2: 1-6 rows, 7 -> 3 + 4, 13 -> 4 + 4 + 5) and the prefetch modes that go with them, a
+panel count that does not split evenly over the threads, with and without bias. Outputs start as
+NaN, so a cell the kernel skips fails.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from kernels.dense import pack_weight, packed_linear
 def module() -> ModuleType:
     compiled = cpu_kernels()
     assert compiled is not None, "the CPU kernels did not build on this machine"
-    if torch.backends.cpu.get_cpu_capability() != "AVX512":
+    if torch.backends.cpu.get_cpu_capability() not in ("AVX512", "AVX2"):
         assert not compiled.dense_available()
-        pytest.skip("the compiled dense kernel exists only in the AVX-512 build (oneDNN serves this CPU)")
+        pytest.skip(
+            "the compiled dense kernel exists only in the AVX-512 and AVX2 builds (oneDNN serves this CPU)"
+        )
     assert compiled.dense_available()
     return compiled
 
@@ -33,7 +37,7 @@ def _relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("out_features", [5, 32, 45, 96, 161])
-@pytest.mark.parametrize("rows", [1, 3, 12, 13, 25, 64])
+@pytest.mark.parametrize("rows", [1, 3, 6, 7, 12, 13, 25, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_float64(module: ModuleType, out_features: int, rows: int, with_bias: bool) -> None:
     g = torch.Generator().manual_seed(out_features * 1000 + rows)
