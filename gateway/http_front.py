@@ -43,6 +43,7 @@ from gateway.openai_schema import (
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest, TokenLogprobs
 from gateway.settings import GatewaySettings
+from gateway.tls import TlsFiles
 from tenancy import Principal
 from worker.api import LIMITS, FinishReason, Violation
 
@@ -472,6 +473,16 @@ class HttpFront:
         self._server = server
         self.port = server.servers[0].sockets[0].getsockname()[1]
         return self.port
+
+    def use_certificate(self, files: TlsFiles) -> None:
+        """Serve a renewed certificate to new connections (gateway/tls.py). A new client CA is added
+        beside the old one: Python's SSL context cannot forget a CA, so dropping one needs a restart."""
+        context = self._server.config.ssl if self._server is not None else None
+        if context is None:
+            return
+        context.load_cert_chain(files.cert_file, files.key_file)
+        if files.client_ca_file:
+            context.load_verify_locations(files.client_ca_file)
 
     async def stop(self) -> None:
         """Stop accepting; streams in flight get up to the drain grace to finish."""

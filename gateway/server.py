@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
 from typing import Any
 
 import grpc
@@ -24,16 +23,10 @@ from gateway.metrics import ENGINE, ReplicaRow, start_metrics_server
 from gateway.request_path import RequestPath
 from gateway.service import InferenceService
 from gateway.settings import GatewaySettings
+from gateway.tls import CertificateReloader, TlsFiles
 from tenancy import Tenancy
 
 log = logging.getLogger(__name__)
-
-
-def _read(path: str, what: str) -> bytes:
-    try:
-        return Path(path).read_bytes()
-    except OSError as exc:
-        raise OSError(f"cannot read the TLS {what} {path}: {exc.strerror or exc}") from None
 
 
 class GatewayServer:
@@ -46,6 +39,8 @@ class GatewayServer:
         self._server: grpc.aio.Server | None = None
         self._health = health.aio.HealthServicer()
         self._metrics_server: Any = None
+        self.tls: CertificateReloader | None = None
+        self._tls_watch: asyncio.Task[None] | None = None
         self.http = HttpFront(
             self.path, settings, serving=lambda: self._server is not None and not self.path.draining
         )
@@ -94,12 +89,9 @@ class GatewayServer:
         reflection.enable_server_reflection([SERVICE_NAME, health_name, reflection.SERVICE_NAME], server)
         target = f"{s.host}:{s.port}"
         if s.tls_cert_file and s.tls_key_file:
-            creds = grpc.ssl_server_credentials(
-                [(_read(s.tls_key_file, "key"), _read(s.tls_cert_file, "certificate"))],
-                root_certificates=_read(s.tls_client_ca_file, "client CA") if s.tls_client_ca_file else None,
-                require_client_auth=bool(s.tls_client_ca_file),
-            )
-            self.port = server.add_secure_port(target, creds)
+            files = TlsFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+            self.tls = CertificateReloader(files, on_reload=self.http.use_certificate)
+            self.port = server.add_secure_port(target, self.tls.grpc_credentials())
         else:
             self.port = server.add_insecure_port(target)
         if not self.port:
@@ -112,6 +104,8 @@ class GatewayServer:
             if s.http_port is not None:
                 await self.http.start(s.host, s.http_port)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            if self.tls is not None and s.tls_reload_interval_s > 0:
+                self._tls_watch = asyncio.create_task(self._watch_tls(s.tls_reload_interval_s))
         except BaseException:
             await server.stop(0)
             self._server = None
@@ -124,6 +118,13 @@ class GatewayServer:
         if self.http_address is not None:
             log.info("OpenAI-compatible HTTP on %s (%s)", self.http_address, security)
         return self
+
+    async def _watch_tls(self, interval_s: float) -> None:
+        """Serve a renewed certificate without a restart (gateway/tls.py)."""
+        assert self.tls is not None
+        while True:
+            await asyncio.sleep(interval_s)
+            self.tls.check()
 
     def _stop_metrics(self) -> None:
         if self._metrics_server is not None:
@@ -154,5 +155,8 @@ class GatewayServer:
         await asyncio.sleep(refuse)
         await asyncio.gather(self._server.stop(grace - refuse), self.http.stop())
         self._server = None
+        if self._tls_watch is not None:
+            self._tls_watch.cancel()
+            self._tls_watch = None
         ENGINE.remove_source(id(self))
         self._stop_metrics()

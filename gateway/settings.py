@@ -23,6 +23,12 @@ class GatewaySettings(BaseSettings):
     tls_cert_file: str | None = None
     tls_key_file: str | None = None
     tls_client_ca_file: str | None = Field(None, description="set to require client certificates (mTLS)")
+    tls_reload_interval_s: float = Field(
+        30.0,
+        ge=0,
+        description="how often the TLS files are checked for a renewed certificate, served to new "
+        "connections without a restart; 0 reads them only at start",
+    )
     drain_grace_s: float = Field(30.0, ge=0)
     drain_refuse_s: float = Field(
         2.0,

@@ -4,9 +4,12 @@ gateway (the KubeRay shape)."""
 from __future__ import annotations
 
 import asyncio
+import http.client
 import os
+import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import urllib.request
 from pathlib import Path
@@ -14,8 +17,10 @@ from typing import Any
 
 import grpc
 import pytest
+from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from prometheus_client import REGISTRY
 
 from gateway.api import SERVICE_NAME, pb
 from gateway.client import LoomClient
@@ -101,62 +106,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _openssl(*args: str) -> None:
-    subprocess.run(["openssl", *args], check=True, capture_output=True)
+def _openssl(command: str) -> None:
+    subprocess.run(["openssl", *command.split()], check=True, capture_output=True)
+
+
+def make_pki(d: Path, ca: str = "loom-test-ca", names: tuple[str, ...] = ("server", "client")) -> Path:
+    """In ``d`` (a path without spaces): a CA (ca.pem, ca.key) and, per name, a certificate it signed
+    for 127.0.0.1/localhost."""
+    d.mkdir(parents=True, exist_ok=True)
+    _openssl(f"req -x509 -newkey rsa:2048 -nodes -days 2 -subj /CN={ca} -keyout {d}/ca.key -out {d}/ca.pem")
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
+    for name in names:
+        _openssl(f"req -newkey rsa:2048 -nodes -subj /CN={name} -keyout {d}/{name}.key -out {d}/{name}.csr")
+        _openssl(
+            f"x509 -req -in {d}/{name}.csr -CA {d}/ca.pem -CAkey {d}/ca.key -CAcreateserial"
+            f" -extfile {d}/san.ext -days 2 -out {d}/{name}.pem"
+        )
+    return d
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A CA, a server certificate for 127.0.0.1/localhost and a client certificate."""
-    d = tmp_path_factory.mktemp("pki")
-    _openssl(
-        "req",
-        "-x509",
-        "-newkey",
-        "rsa:2048",
-        "-nodes",
-        "-days",
-        "2",
-        "-subj",
-        "/CN=loom-test-ca",
-        "-keyout",
-        str(d / "ca.key"),
-        "-out",
-        str(d / "ca.pem"),
-    )
-    ext = d / "san.ext"
-    ext.write_text("subjectAltName=IP:127.0.0.1,DNS:localhost\n")
-    for name in ("server", "client"):
-        _openssl(
-            "req",
-            "-newkey",
-            "rsa:2048",
-            "-nodes",
-            "-subj",
-            f"/CN={name}",
-            "-keyout",
-            str(d / f"{name}.key"),
-            "-out",
-            str(d / f"{name}.csr"),
-        )
-        _openssl(
-            "x509",
-            "-req",
-            "-in",
-            str(d / f"{name}.csr"),
-            "-CA",
-            str(d / "ca.pem"),
-            "-CAkey",
-            str(d / "ca.key"),
-            "-CAcreateserial",
-            "-days",
-            "2",
-            "-extfile",
-            str(ext),
-            "-out",
-            str(d / f"{name}.pem"),
-        )
-    return d
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 async def test_mutual_tls(
@@ -185,6 +157,85 @@ async def test_mutual_tls(
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await collect(client.generate_call(req(max_tokens=3), timeout=5))
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await server.stop(grace_s=0)
+        await tenancy.stop()
+
+
+def _https_health(port: int, ca: Path) -> int:
+    """GET /health on a new TLS connection that trusts only ``ca`` (ssl.SSLError if the server's
+    certificate is not from it)."""
+    connection = http.client.HTTPSConnection(
+        "127.0.0.1", port, context=ssl.create_default_context(cafile=str(ca)), timeout=5
+    )
+    try:
+        connection.request("GET", "/health")
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+async def test_a_renewed_certificate_is_served_without_a_restart(
+    gateway: Gateway, tenancy_settings: TenancySettings, tiny_dir: Path, tmp_path: Path
+) -> None:
+    old = make_pki(tmp_path / "old", "old-ca", ("server",))
+    new = make_pki(tmp_path / "new", "new-ca", ("server",))
+    live = tmp_path / "live"
+    live.mkdir()
+
+    def install(cert: Path, key: Path) -> None:
+        """Replace each mounted file whole, one after the other, as a non-atomic writer would."""
+        for source, name in ((cert, "tls.crt"), (key, "tls.key")):
+            shutil.copy(source, live / f".{name}")
+            os.replace(live / f".{name}", live / name)
+
+    def rejected() -> float:
+        return REGISTRY.get_sample_value("loom:gateway_tls_reloads_total", {"outcome": "rejected"}) or 0.0
+
+    install(old / "server.pem", old / "server.key")
+    server, tenancy = await start_gateway(
+        gateway.handles,
+        tenancy_settings,
+        tiny_dir,
+        tls_cert_file=str(live / "tls.crt"),
+        tls_key_file=str(live / "tls.key"),
+        tls_reload_interval_s=0.05,
+    )
+    _, key = await gateway.tenant()
+    https_port = server.http.port
+    assert https_port
+
+    async def served_by(ca: Path) -> bool:
+        """Whether a new gRPC connection that trusts only ``ca`` completes a call."""
+        try:
+            async with LoomClient(server.address, key, root_certificates=ca.read_bytes()) as client:
+                _, _, ids, _ = await collect(client.generate_call(req(max_tokens=2), timeout=5))
+        except grpc.aio.AioRpcError as exc:
+            assert exc.code() == grpc.StatusCode.UNAVAILABLE
+            return False
+        return len(ids) == 2
+
+    try:
+        assert await served_by(old / "ca.pem") and not await served_by(new / "ca.pem")
+        assert await asyncio.to_thread(_https_health, https_port, old / "ca.pem") == 200
+        async with LoomClient(server.address, key, root_certificates=(old / "ca.pem").read_bytes()) as kept:
+            await collect(kept.generate_call(req(max_tokens=2)))  # connected under the old certificate
+            # Half a renewal (the new certificate beside the old key) is refused; the old pair stays.
+            before = rejected()
+            install(new / "server.pem", old / "server.key")
+            await eventually(lambda: rejected() > before)
+            assert await served_by(old / "ca.pem")
+            install(new / "server.pem", new / "server.key")
+            await eventually(lambda: served_by(new / "ca.pem"))
+            assert not await served_by(old / "ca.pem")
+            assert await asyncio.to_thread(_https_health, https_port, new / "ca.pem") == 200
+            with pytest.raises(ssl.SSLError):
+                await asyncio.to_thread(_https_health, https_port, old / "ca.pem")
+            _, _, ids, _ = await collect(kept.generate_call(req(max_tokens=2)))
+            assert len(ids) == 2  # the connection opened before the renewal carries on
+        want_expiry = x509.load_pem_x509_certificate((new / "server.pem").read_bytes()).not_valid_after_utc
+        expiry = REGISTRY.get_sample_value("loom:gateway_tls_certificate_expiry_timestamp_seconds")
+        assert expiry == want_expiry.timestamp()
     finally:
         await server.stop(grace_s=0)
         await tenancy.stop()
