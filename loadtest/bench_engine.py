@@ -558,6 +558,13 @@ def to_markdown(report: dict[str, Any]) -> str:
                 f"| {_cell(m, 'mean_batch_occupancy', '.0%')} "
                 f"| {'-' if share is None else format(share, '.1%')} | {m['wall_s']:.1f} |"
             )
+    if report.get("native_bf16") is False:
+        lines += [
+            "",
+            "No bfloat16 rows: this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16), so Loom "
+            "keeps float32 here (bf16 would be emulated, docs/adr/0003) and the comparison with vLLM is "
+            "in float32 only.",
+        ]
     lines += ["", "| ratio | value |", "|---|---:|"]
     lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]
     timed = [(k, m) for k, m in report["modes"].items() if "step_time" in m]
@@ -705,6 +712,7 @@ def run_benchmark(
             "arrival": "all at t=0",
         },
         "machine_cpu": cpu_info(),
+        "native_bf16": native_bf16(),
         "versions": versions(),
         "modes": {},
     }

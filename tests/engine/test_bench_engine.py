@@ -17,6 +17,7 @@ from loadtest.bench_engine import (
     REFERENCE_PROMPTS,
     greedy_agreement,
     make_workload,
+    native_bf16,
     parse_dtypes,
     run_benchmark,
     run_engine,
@@ -57,6 +58,8 @@ def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path
     assert saved["roofline"] in saved["roofline_points"]
     md = (tmp_path / "engine.md").read_text()
     assert "| continuous |" in md and "non-compute share" in md
+    assert saved["native_bf16"] == native_bf16()
+    assert ("No bfloat16 rows: this CPU has no native bf16" in md) == (not native_bf16())
     assert "flags" in saved["versions"]["cpu"]  # loadtest.machine.cpu_line()
     assert "peer" not in saved and "vllm" not in saved["modes"]
     assert not (tmp_path / "engine.partial.json").exists()
