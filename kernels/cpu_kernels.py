@@ -33,7 +33,7 @@ _SOURCES = [
 ]
 _FLAGS = {
     "AVX512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-    "AVX2": ["-mavx2", "-mfma"],
+    "AVX2": ["-mavx2", "-mfma", "-mf16c"],
 }
 _lock = threading.Lock()
 _module: ModuleType | None = None

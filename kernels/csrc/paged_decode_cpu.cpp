@@ -14,8 +14,9 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#define LOOM_KV_HEAD_KERNEL 1  // the register-blocked path below exists in this build
 #endif
 
 namespace {
@@ -166,8 +167,8 @@ inline __m512 sum16(const __m512 (&v)[16]) {
 // across the whole sequence. The generic loop below re-read every slot per query head and kept its
 // accumulators in memory: instruction-bound, not memory-bound, at 2-5x the bytes' time.
 template <typename T, int G, int C>
-void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const int32_t* table, int64_t len,
-                    int64_t block_size, int64_t block_stride, int64_t slot_stride, float* scores, float* out) {
+void decode_one_kv_head(const float* q, float scale, const T* k0, const T* v0, const int32_t* table, int64_t len,
+                        int64_t block_size, int64_t block_stride, int64_t slot_stride, float* scores, float* out) {
   constexpr int D = 16 * C;
   alignas(64) float buf[G * D];
   for (int g = 0; g < G; ++g)
@@ -217,9 +218,126 @@ void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const
     for (int d = 0; d < D; ++d) out[g * D + d] = buf[g * D + row_lane<T>(d)] * inv_sums[g];
 }
 
+// `heads` consecutive KV heads of one row, one after the other.
+template <typename T, int G, int C>
+void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const int32_t* table, int64_t len,
+                    int64_t heads, int64_t block_size, int64_t block_stride, int64_t slot_stride, float* scores,
+                    float* out) {
+  constexpr int D = 16 * C;
+  for (int64_t h = 0; h < heads; ++h)
+    decode_one_kv_head<T, G, C>(q + h * G * D, scale, k0 + h * D, v0 + h * D, table, len, block_size, block_stride,
+                                slot_stride, scores, out + h * G * D);
+}
+
+constexpr int kLanes = 16;
+constexpr bool kRowItems = false;  // work items of one KV head (measured on AVX-512 CPUs)
+
+#elif defined(LOOM_KV_HEAD_KERNEL)  // AVX2 with FMA: 16 ymm registers of 8 lanes
+
+constexpr int kLanes = 8;
+
+// 8 cache values as fp32 lanes: bf16 is the high half of an fp32 (widen, shift), fp16 converts.
+template <typename T>
+inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+  } else {
+    return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+}
+
+inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Output vectors per walk over one KV head's values: G heads x CC vectors of accumulators stay within
+// 12 of the 16 registers (the rest hold the value row and the weights).
+constexpr int value_chunk(int G, int C) {
+  int cc = C;
+  while (G * cc > 12 && cc > 1) cc /= 2;
+  return cc;
+}
+
+// The AVX-512 kernel's shape with half the registers, and half as wide, over `heads` consecutive KV
+// heads of one row: one head per work item where rows share their keys (prefill chunks) or are too
+// few to occupy the threads, else all of them. A slot's keys and values for all heads are contiguous,
+// so a whole-row item reads whole slots front to back: on the AVX2 Zen 3 a decode batch's KV streamed
+// at ~19 GB/s that way against ~15-16 one head's slice of each slot at a time. Each head's key is
+// loaded once for its G query heads (the query rows are read from L1), each dot product reduced on the
+// spot.
+template <typename T, int G, int C>
+void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const int32_t* table, int64_t len,
+                    int64_t heads, int64_t block_size, int64_t block_stride, int64_t slot_stride, float* scores,
+                    float* out) {
+  constexpr int D = 8 * C, CC = value_chunk(G, C);
+  const int64_t rows = heads * G;  // query heads of this work item
+  alignas(32) float qs[8 * G * D];
+  const int64_t slot_bytes = (heads * D) * sizeof(T);
+  for (int64_t h0 = 0; h0 < heads; h0 += 8) {  // at most 8 KV heads' queries on the stack at a time
+    const int64_t hn = std::min<int64_t>(8, heads - h0);
+    for (int64_t i = 0; i < hn * G * D; ++i) qs[i] = q[h0 * G * D + i] * scale;
+    for_each_slot(k0 + h0 * D, table, len, block_size, block_stride, slot_stride, slot_bytes, [&](int64_t p, const T* k) {
+      for (int64_t h = 0; h < hn; ++h) {
+        __m256 a[G];
+        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+        for (int c = 0; c < C; ++c) {
+          const __m256 kv = load8(k + h * D + 8 * c);
+          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qs + (h * G + g) * D + 8 * c), kv, a[g]);
+        }
+        for (int g = 0; g < G; ++g) scores[((h0 + h) * G + g) * len + p] = hsum8(a[g]);
+      }
+    });
+  }
+  softmax_rows(scores, rows, len, nullptr);
+  if (heads == 1) {
+    // One KV head (prefill rows, small batches): its G output rows in registers, CC columns per walk
+    // over the values. Keys and values a chunk's rows share are read from cache, so this is
+    // compute-bound, where registers beat the L1 accumulators below (1.3x on a 512-token chunk).
+    for (int c0 = 0; c0 < C; c0 += CC) {
+      __m256 acc[G][CC];
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CC; ++c) acc[g][c] = _mm256_setzero_ps();
+      for_each_slot(v0 + 8 * c0, table, len, block_size, block_stride, slot_stride, (D - 8 * c0) * sizeof(T),
+                    [&](int64_t p, const T* v) {
+                      for (int c = 0; c < CC; ++c) {
+                        const __m256 vv = load8(v + 8 * c);
+                        for (int g = 0; g < G; ++g)
+                          acc[g][c] = _mm256_fmadd_ps(_mm256_broadcast_ss(scores + g * len + p), vv, acc[g][c]);
+                      }
+                    });
+      for (int g = 0; g < G; ++g)
+        for (int c = 0; c < CC; ++c) _mm256_storeu_ps(out + g * D + 8 * (c0 + c), acc[g][c]);
+    }
+    return;
+  }
+  // Whole rows (decode batches, DRAM-bound): one walk over whole slots, the accumulators in L1.
+  for (int64_t i = 0; i < rows * D; ++i) out[i] = 0.f;
+  for_each_slot(v0, table, len, block_size, block_stride, slot_stride, slot_bytes, [&](int64_t p, const T* v) {
+    for (int64_t h = 0; h < heads; ++h) {
+      __m256 vv[C];
+      for (int c = 0; c < C; ++c) vv[c] = load8(v + h * D + 8 * c);
+      for (int g = 0; g < G; ++g) {
+        const __m256 w = _mm256_broadcast_ss(scores + (h * G + g) * len + p);
+        float* o = out + (h * G + g) * D;
+        for (int c = 0; c < C; ++c) _mm256_storeu_ps(o + 8 * c, _mm256_fmadd_ps(w, vv[c], _mm256_loadu_ps(o + 8 * c)));
+      }
+    }
+  });
+}
+
+constexpr bool kRowItems = true;  // work items of a whole row (all KV heads) where rows outnumber threads
+
+#endif
+
+#if defined(LOOM_KV_HEAD_KERNEL)
 template <typename T>
 using KvHeadFn = void (*)(const float*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t,
-                          int64_t, float*, float*);
+                          int64_t, int64_t, float*, float*);
 
 template <typename T, int C>
 KvHeadFn<T> kv_head_fn_for_group(int64_t group) {
@@ -237,8 +355,8 @@ KvHeadFn<T> kv_head_fn_for_group(int64_t group) {
 // head, which covers the Llama, Qwen and SmolLM families), or null for the generic loop.
 template <typename T>
 KvHeadFn<T> kv_head_fn(int64_t group, int64_t head_dim) {
-  if (head_dim == 64) return kv_head_fn_for_group<T, 4>(group);
-  if (head_dim == 128) return kv_head_fn_for_group<T, 8>(group);
+  if (head_dim == 64) return kv_head_fn_for_group<T, 64 / kLanes>(group);
+  if (head_dim == 128) return kv_head_fn_for_group<T, 128 / kLanes>(group);
   return nullptr;
 }
 #endif
@@ -273,15 +391,21 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
   const int64_t slot_stride = num_kv_heads * head_dim;
   const int64_t block_stride = block_size * slot_stride;
 
-#if defined(__AVX512F__)
+#if defined(LOOM_KV_HEAD_KERNEL)
   if (const auto fn = kv_head_fn<T>(group, head_dim)) {
-    // One work item per (row, KV head): more items than threads even at small batches.
-    at::parallel_for(0, num_decodes * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<float> scores, qf(group * head_dim), of(group * head_dim);
+    // One work item per (row, KV head), so that there are more items than threads even at small
+    // batches; or, where the build reads whole slots faster and rows alone outnumber the threads,
+    // one per row.
+    bool distinct = true;  // every row its own sequence: a decode batch, no prefill chunk
+    for (int64_t i = 1; i < num_decodes && distinct; ++i) distinct = seq_idx[i] != seq_idx[i - 1];
+    const int64_t span = kRowItems && distinct && num_decodes >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+    const int64_t items_per_row = num_kv_heads / span, width = span * group * head_dim;
+    at::parallel_for(0, num_decodes * items_per_row, 1, [&](int64_t begin, int64_t end) {
+      std::vector<float> scores, qf(width), of(width);
       for (int64_t w = begin; w < end; ++w) {
-        const int64_t d = zigzag(w / num_kv_heads, num_decodes), h = w % num_kv_heads;
+        const int64_t d = zigzag(w / items_per_row, num_decodes), h = w % items_per_row * span;
         const int64_t s = seq_idx[d], row = row_idx[d], len = lens[d];
-        scores.resize(group * len);
+        scores.resize(span * group * len);
         const int64_t first = (row * num_heads + h * group) * head_dim;  // query head h * group
         const float* qrow;
         float* orow;
@@ -289,14 +413,14 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
           qrow = qp + first;
           orow = op + first;
         } else {
-          for (int64_t i = 0; i < group * head_dim; ++i) qf[i] = to_f(qp[first + i]);
+          for (int64_t i = 0; i < width; ++i) qf[i] = to_f(qp[first + i]);
           qrow = qf.data();
           orow = of.data();
         }
-        fn(qrow, static_cast<float>(scale), kp + h * head_dim, vp + h * head_dim, bt + s * table_width, len,
+        fn(qrow, static_cast<float>(scale), kp + h * head_dim, vp + h * head_dim, bt + s * table_width, len, span,
            block_size, block_stride, slot_stride, scores.data(), orow);
         if constexpr (!std::is_same_v<Q, float>) {
-          for (int64_t i = 0; i < group * head_dim; ++i) op[first + i] = static_cast<Q>(of[i]);
+          for (int64_t i = 0; i < width; ++i) op[first + i] = static_cast<Q>(of[i]);
         }
       }
     });

@@ -108,3 +108,13 @@ def test_strided_query_view() -> None:
     wide = torch.cat([b.q, torch.randn_like(b.q)], dim=-1)[..., :64]  # non-contiguous, like a QKV slice
     assert not wide.is_contiguous()
     assert rel_err(paged_attention(wide, b.k_cache, b.v_cache, b.meta, b.scale), attention_f64(b)) < 1e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_decode_rows_with_more_kv_heads_than_one_pass_holds(cache_dtype: torch.dtype) -> None:
+    """A decode batch with rows to spare per thread is dealt out whole rows at a time (every KV head);
+    10 KV heads take two passes over the keys (8 heads' queries at a time) in the AVX2 build."""
+    b = make_batch(41, [1] * 6, [1, 16, 17, 40, 3, 64], 16, 10, 2, 64, torch.float32)
+    b.k_cache, b.v_cache = b.k_cache.to(cache_dtype), b.v_cache.to(cache_dtype)
+    got = paged_attention(b.q, b.k_cache, b.v_cache, b.meta, b.scale, out=torch.full(b.q.shape, float("nan")))
+    assert rel_err(got, attention_f64(b)) < (1e-5 if cache_dtype == torch.float32 else tol(cache_dtype))
