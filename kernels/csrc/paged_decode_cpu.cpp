@@ -396,9 +396,11 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
     // One work item per (row, KV head), so that there are more items than threads even at small
     // batches; or, where the build reads whole slots faster and rows alone outnumber the threads,
     // one per row.
-    bool distinct = true;  // every row its own sequence: a decode batch, no prefill chunk
+    // Whole rows only where the build prefers them and every row is its own sequence (a decode
+    // batch, no prefill chunk); the scan is skipped where they are not preferred.
+    bool distinct = kRowItems;
     for (int64_t i = 1; i < num_decodes && distinct; ++i) distinct = seq_idx[i] != seq_idx[i - 1];
-    const int64_t span = kRowItems && distinct && num_decodes >= 2 * at::get_num_threads() ? num_kv_heads : 1;
+    const int64_t span = distinct && num_decodes >= 2 * at::get_num_threads() ? num_kv_heads : 1;
     const int64_t items_per_row = num_kv_heads / span, width = span * group * head_dim;
     at::parallel_for(0, num_decodes * items_per_row, 1, [&](int64_t begin, int64_t end) {
       std::vector<float> scores, qf(width), of(width);
