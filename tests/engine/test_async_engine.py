@@ -6,6 +6,7 @@ import asyncio
 
 import pytest
 
+from tests.helpers import eventually
 from worker.async_engine import AsyncEngine, EngineDeadError
 from worker.checkpoint import Checkpoint
 from worker.engine import EngineConfig, LLMEngine
@@ -35,11 +36,7 @@ async def _collect(engine: AsyncEngine, req: GenerationRequest) -> tuple[list[in
 
 
 async def _until_idle(engine: AsyncEngine) -> None:
-    for _ in range(200):
-        if engine.stats().kv_blocks_used == 0 and not engine.engine.has_unfinished():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("engine never went idle")
+    await eventually(lambda: engine.stats().kv_blocks_used == 0 and not engine.engine.has_unfinished())
 
 
 async def test_concurrent_streams_match_offline(engine: AsyncEngine, tiny: Checkpoint) -> None:

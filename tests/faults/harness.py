@@ -140,6 +140,7 @@ def tenancy_settings(redis_url: str, **overrides: Any) -> TenancySettings:
         key_prefix=f"loomfault-{uuid.uuid4().hex[:8]}",
         secret=SECRET,
         resync_interval_s=1.0,
+        redis_timeout_s=2.0,  # a loaded 2-core machine must not flip admission into its local fallback
     )
     return TenancySettings(**{**base, **overrides})
 

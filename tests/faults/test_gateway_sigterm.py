@@ -27,7 +27,7 @@ from tests.helpers import eventually
 LOOM = str(Path(sys.executable).with_name("loom"))
 STREAMS_PER_TENANT = 3
 MAX_TOKENS = 900
-DRAIN_GRACE_S = 30
+DRAIN_GRACE_S = 60  # generous: the test is about what a drain keeps, not how fast the machine is
 
 
 def _free_port() -> int:
@@ -80,7 +80,7 @@ async def test_sigterm_drains_streams_refuses_new_calls_and_exits_zero(
         ]
         reference.compute((r.prompt, r.max_tokens) for r in streams)
         tasks = [
-            asyncio.create_task(grpc_stream(by_tenant[r.tenant_id], r, timeout_s=DRAIN_GRACE_S))
+            asyncio.create_task(grpc_stream(by_tenant[r.tenant_id], r, timeout_s=2 * DRAIN_GRACE_S))
             for r in streams
         ]
         await eventually(lambda: all(r.tokens for r in streams), timeout_s=60, interval_s=0.005)

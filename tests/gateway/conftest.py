@@ -79,7 +79,12 @@ def engine_handles(ray_serve: None, tiny_dir: Path) -> dict[str, Any]:
 def tenancy_settings(redis_url: str) -> Iterator[TenancySettings]:
     prefix = f"loomgw-{uuid.uuid4().hex[:8]}"
     yield TenancySettings(
-        store="redis", redis_url=redis_url, key_prefix=prefix, secret=SECRET, resync_interval_s=1.0
+        store="redis",
+        redis_url=redis_url,
+        key_prefix=prefix,
+        secret=SECRET,
+        resync_interval_s=1.0,
+        redis_timeout_s=2.0,  # a loaded 2-core machine must not flip admission into its local fallback
     )
     client = redis.Redis.from_url(redis_url)
     for key in client.scan_iter(match=f"{prefix}*", count=1000):

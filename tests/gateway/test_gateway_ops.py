@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import http.client
+import logging
 import os
 import shutil
 import signal
@@ -252,10 +253,16 @@ def fragile(ray_serve: None, tiny_dir: Path) -> Any:
 
 
 async def test_stream_survives_a_killed_worker(
-    gateway: Gateway, fragile: Any, tenancy_settings: TenancySettings, tiny_dir: Path
+    gateway: Gateway,
+    fragile: Any,
+    tenancy_settings: TenancySettings,
+    tiny_dir: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
+    caplog.set_level(logging.WARNING, logger="gateway.resume")
     tenant, key = await gateway.tenant(quotas={"max_concurrent": 1})
-    request = req(prompt="the replica may die", max_tokens=300, temperature=0.0, stop=[])
+    # 900 tokens: the replica is still generating when a slow client has read 20 and killed it.
+    request = req(prompt="the replica may die", max_tokens=900, temperature=0.0, stop=[])
     async with private_gateway(fragile, tenancy_settings, tiny_dir) as server:
         async with LoomClient(server.address, key) as client:
             _, want_text, want_ids, _ = await collect(client.generate_call(request))
@@ -268,15 +275,16 @@ async def test_stream_survives_a_killed_worker(
                     killed_after = delivered
                     os.kill((await fragile.model_info.remote())["pid"], signal.SIGKILL)
         assert killed_after
+        assert any("resuming" in rec.getMessage() for rec in caplog.records), "the stream was not resumed"
         ids = [t for c in chunks for t in c.token_ids]
         assert ids == want_ids  # greedy: the continuation is exactly the uninterrupted stream
         assert "".join(c.text for c in chunks) == want_text
         assert chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
-        assert chunks[-1].usage.completion_tokens == 300
+        assert chunks[-1].usage.completion_tokens == 900
         await eventually(lambda: _usage_requests(gateway, tenant.id, 2))
         usage = gateway.store.usage(tenant.id, days=1)[0]
-        assert usage.completion_tokens == 600 and usage.errors == 0
-        assert await engine_idle(fragile)
+        assert usage.completion_tokens == 1800 and usage.errors == 0
+        await eventually(lambda: engine_idle(fragile), timeout_s=60)
 
 
 def _usage_requests(gateway: Gateway, tenant_id: str, n: int) -> bool:

@@ -32,6 +32,7 @@ def settings_factory(redis_url: str, redis_prefix: str) -> Callable[..., Tenancy
             "secret": TEST_SECRET,
             "redis_probe_interval_s": 0.2,
             "resync_interval_s": 30.0,
+            "redis_timeout_s": 2.0,  # a loaded 2-core machine must not flip admission into fail-static
         }
         values.update(overrides)
         return TenancySettings(**values)

@@ -29,7 +29,7 @@ from tenancy.admission_local import LocalAdmission
 from tenancy.admission_redis import RedisAdmission
 from tenancy.runtime import Tenancy, bootstrap_embedded
 
-LEASE_S = 0.3
+LEASE_S = 1.0  # long enough that a loaded machine renews in time, short enough to wait out
 
 
 async def vanish_after_reporting(enforcer, tenant, admission, delivered: int, settings) -> ActiveLease:
