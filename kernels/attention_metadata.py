@@ -15,6 +15,7 @@ from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
+import numpy as np
 import torch
 
 _PlanT = TypeVar("_PlanT")
@@ -50,10 +51,11 @@ class PagedAttentionMetadata:
         for n in query_lens:
             qsl.append(qsl[-1] + n)
         width = max((len(t) for t in block_tables), default=0) or 1
-        table = torch.zeros((len(block_tables), width), dtype=torch.int32)
+        # Filled through numpy: a torch tensor per row cost ~5 us, 1.4 ms at 256 sequences (0.12 here).
+        host = np.zeros((len(block_tables), width), dtype=np.int32)
         for i, t in enumerate(block_tables):
-            if t:
-                table[i, : len(t)] = torch.tensor(t, dtype=torch.int32)
+            host[i, : len(t)] = t
+        table = torch.from_numpy(host)
         return cls(
             query_start_loc=torch.tensor(qsl, dtype=torch.int32, device=device),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=device),

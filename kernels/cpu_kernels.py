@@ -28,6 +28,7 @@ _SOURCES = [
         "lora_cpu.cpp",
         "layer_ops_cpu.cpp",
         "dense_cpu.cpp",
+        "argmax_cpu.cpp",
         "bindings.cpp",
     )
 ]

@@ -14,6 +14,7 @@ void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch
 bool dense_available();
 torch::Tensor dense_pack(torch::Tensor w);
 void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out);
+void argmax_rows_cpu(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite);
 void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
 
@@ -27,5 +28,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_available", &dense_available, "whether dense_pack / dense_cpu were built (AVX-512)");
   m.def("dense_pack", &dense_pack, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
   m.def("dense_cpu", &dense_cpu, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
+  m.def("argmax_rows", &argmax_rows_cpu, "each row's first maximum and whether it is all finite (CPU, fp32)");
   m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
 }
