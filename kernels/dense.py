@@ -4,6 +4,10 @@ The decode step's projections stream their weights at 1-64 rows; the compiled ke
 closer to the copy bandwidth than oneDNN's prepacked linear (docs/adr/0003, addenda 2 and 3). It
 exists in the AVX-512 and AVX2 builds (panels of 32 and 16 columns), and only for fp32: in bf16,
 oneDNN's AVX512-BF16/AMX path stays.
+
+A gated MLP's gate and up projections can be packed in pairs instead (``pack_gated_weight``): each
+panel then holds some gate columns and the same up columns, and the kernel hands back
+``silu(gate) * up`` directly (``gated_linear``), never writing the two products out in full.
 """
 
 from __future__ import annotations
@@ -38,6 +42,42 @@ def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
         return None
     out_features, in_features = weight.shape
     return PackedWeight(module.dense_pack(weight.contiguous()), out_features, in_features, module)
+
+
+@dataclass(frozen=True)
+class GatedWeight:
+    """A gated MLP's ``[gate; up]`` weight ``[2 * intermediate, in_features]`` in paired panels."""
+
+    panels: torch.Tensor
+    intermediate: int
+    in_features: int
+    module: ModuleType
+
+
+def pack_gated_weight(weight: torch.Tensor) -> GatedWeight | None:
+    """The paired packing of ``[gate; up]``, or None where the kernel cannot serve it (as
+    :func:`pack_weight`, or an intermediate size that is not a multiple of the ISA's vector)."""
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    module = cpu_kernels()
+    if module is None or not module.dense_available():
+        return None
+    rows, in_features = weight.shape
+    if rows % 2 or (rows // 2) % module.dense_gate_width():
+        return None
+    return GatedWeight(module.dense_pack_gated(weight.contiguous()), rows // 2, in_features, module)
+
+
+def gated_linear(x: torch.Tensor, weight: GatedWeight, split: bool = False) -> torch.Tensor:
+    """``silu(x @ gate.T) * (x @ up.T)`` ``[..., intermediate]``; with ``split``, the product
+    ``[..., 2 * intermediate]`` (gate columns, then up), as a plain projection would give it."""
+    if x.shape[-1] != weight.in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.in_features}")
+    rows = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
+    width = weight.intermediate * (2 if split else 1)
+    out = torch.empty(rows.shape[0], width, dtype=torch.float32)
+    weight.module.dense_gated_cpu(rows, weight.panels, out, split)
+    return out.view(*x.shape[:-1], width)
 
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -21,7 +21,15 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.dense import PackedWeight, pack_weight, packed_linear
+from kernels import silu_and_mul
+from kernels.dense import (
+    GatedWeight,
+    PackedWeight,
+    gated_linear,
+    pack_gated_weight,
+    pack_weight,
+    packed_linear,
+)
 
 log = logging.getLogger(__name__)
 
@@ -57,13 +65,30 @@ def _agrees(
 
 
 class Dense:
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, prepack: bool = True) -> None:
+    """A projection; with ``gated``, a gated MLP's ``[gate; up]`` projection, which can also hand back
+    its activation ``silu(gate) * up`` (:meth:`silu_mul`), fused into the GEMM where the compiled
+    kernel serves it."""
+
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        prepack: bool = True,
+        gated: bool = False,
+    ) -> None:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.nbytes = weight.numel() * weight.element_size()
         self._weight: torch.Tensor | None = weight
         self._packed: torch.Tensor | None = None
         self._panels: PackedWeight | None = None
+        self._gated: GatedWeight | None = None
+        if prepack and gated and bias is None and (paired := pack_gated_weight(weight)) is not None:
+            if _agrees(lambda x: gated_linear(x, paired, split=True), weight, bias):
+                self._gated = paired
+                self._weight = None
+                return
+            log.warning("the compiled gated kernel disagrees with the plain GEMM; not using it")
         if prepack and (panels := pack_weight(weight)) is not None:
             if _agrees(lambda x: packed_linear(x, panels, bias), weight, bias):
                 self._panels = panels
@@ -82,7 +107,15 @@ class Dense:
             except RuntimeError as exc:  # an op missing from this torch build
                 log.info("oneDNN prepacking unavailable (%s); using the plain GEMM", exc)
 
+    def silu_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """``silu(gate) * up`` of a gated projection: one pass where the kernel fuses it."""
+        if self._gated is not None:
+            return gated_linear(x, self._gated)
+        return silu_and_mul(self(x))
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self._gated is not None:
+            return gated_linear(x, self._gated, split=True)
         if self._panels is not None:
             return packed_linear(x, self._panels, self.bias)
         if self._packed is not None:

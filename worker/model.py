@@ -113,8 +113,8 @@ class LlamaModel:
                 raise KeyError(f"checkpoint lacks {name}")
             return weights[name].to(device=self.device, dtype=dtype).contiguous()
 
-        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Dense:
-            return Dense(weight, bias, prepack)
+        def dense(weight: torch.Tensor, bias: torch.Tensor | None = None, gated: bool = False) -> Dense:
+            return Dense(weight, bias, prepack, gated)
 
         self.embed = take("model.embed_tokens.weight")
         self.norm = take("model.norm.weight")
@@ -133,7 +133,8 @@ class LlamaModel:
                     o_proj=dense(take(p + "self_attn.o_proj.weight")),
                     post_norm=take(p + "post_attention_layernorm.weight"),
                     gate_up=dense(
-                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                        torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                        gated=True,
                     ),
                     down=dense(take(p + "mlp.down_proj.weight")),
                 )
@@ -202,11 +203,13 @@ class LlamaModel:
             if lora is not None:
                 _add_lora(lora, i, (("o_proj", 0, cfg.hidden_size),), attn_flat, h)
             h, residual = rms_norm(h, layer.post_norm, cfg.rms_norm_eps, residual)
-            gate_up = layer.gate_up(h)
-            if lora is not None:
+            if lora is None:
+                act = layer.gate_up.silu_mul(h)  # the activation fused into the GEMM where it can be
+            else:  # adapters add to gate and up before the activation
+                gate_up = layer.gate_up(h)
                 m = cfg.intermediate_size
                 _add_lora(lora, i, (("gate_proj", 0, m), ("up_proj", m, m)), h, gate_up)
-            act = silu_and_mul(gate_up)
+                act = silu_and_mul(gate_up)
             h = layer.down(act)
             if lora is not None:
                 _add_lora(lora, i, (("down_proj", 0, cfg.hidden_size),), act, h)

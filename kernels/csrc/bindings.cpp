@@ -14,6 +14,9 @@ void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch
 bool dense_available();
 torch::Tensor dense_pack(torch::Tensor w);
 void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out);
+int64_t dense_gate_width();
+torch::Tensor dense_pack_gated(torch::Tensor w);
+void dense_gated_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor out, bool split);
 void argmax_rows_cpu(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite);
 void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
@@ -29,5 +32,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_pack", &dense_pack, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
   m.def("dense_cpu", &dense_cpu, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
   m.def("argmax_rows", &argmax_rows_cpu, "each row's first maximum and whether it is all finite (CPU, fp32)");
+  m.def("dense_gate_width", &dense_gate_width, "gate (and up) columns per paired panel; 0 without the kernel");
+  m.def("dense_pack_gated", &dense_pack_gated, "pack a gated MLP's [gate; up] fp32 weight into paired panels");
+  m.def("dense_gated_cpu", &dense_gated_cpu, "silu(x @ gate.T) * (x @ up.T), or with split [gate | up] (CPU)");
   m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
 }

@@ -21,6 +21,7 @@
 
 #include <algorithm>
 #include <array>
+#include <cmath>
 #include <utility>
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
@@ -67,10 +68,16 @@ constexpr int64_t kPrefetchRows = 6144 / (kPanel * 4);  // the single-tile strea
 
 enum Prefetch { kNone = 0, kAhead = 1, kNextPanel = 2 };
 
-// y[r, 0:ncols] = x[r] . panel (+ bias) for the tile's MR rows.
+// What a tile stores. kPlain: y[r, 0:ncols] = x[r] . panel (+ bias). The other two serve a gated
+// MLP's gate and up projections packed in pairs (dense_pack_gated: a panel's first vector of columns
+// is gate columns, its second the same up columns): kSplit stores them apart, the gate's at y and the
+// up's `aux` columns further on (the plain [gate | up] output); kGated stores silu(gate) * up, the
+// activation the down projection reads, so the [rows, 2 x intermediate] product is never written.
+enum Epilogue { kPlain = 0, kSplit = 1, kGated = 2 };
+
 template <int MR, int PF>
 void tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int64_t ldy, int64_t ncols,
-          const float* bias, const float* pf, int64_t pf_rows) {
+          const float* bias, const float* pf, int64_t pf_rows, int epi, int64_t aux) {
   Vec lo[MR], hi[MR];
   for (int r = 0; r < MR; ++r) {
     lo[r] = vzero();
@@ -99,16 +106,33 @@ void tile(const float* x, int64_t ldx, const float* p, int64_t K, float* y, int6
       hi[r] = vfma(xb, w1, hi[r]);
     }
   }
-  const Vec b0 = bias ? vload_first(bias, ncols) : vzero();
-  const Vec b1 = bias ? vload_first(bias + kLanes, ncols - kLanes) : vzero();
-  for (int r = 0; r < MR; ++r) {
-    vstore_first(y + r * ldy, vadd(lo[r], b0), ncols);
-    vstore_first(y + r * ldy + kLanes, vadd(hi[r], b1), ncols - kLanes);
+  if (epi == kPlain) {  // once per tile: a runtime switch costs nothing beside the k loop
+    const Vec b0 = bias ? vload_first(bias, ncols) : vzero();
+    const Vec b1 = bias ? vload_first(bias + kLanes, ncols - kLanes) : vzero();
+    for (int r = 0; r < MR; ++r) {
+      vstore_first(y + r * ldy, vadd(lo[r], b0), ncols);
+      vstore_first(y + r * ldy + kLanes, vadd(hi[r], b1), ncols - kLanes);
+    }
+  } else if (epi == kSplit) {
+    for (int r = 0; r < MR; ++r) {
+      vstore_first(y + r * ldy, lo[r], kLanes);
+      vstore_first(y + r * ldy + aux, hi[r], kLanes);
+    }
+  } else {
+    // The same expression as silu_and_mul (layer_ops_cpu.cpp), over a whole vector of lanes so the
+    // compiler vectorizes its exp.
+    alignas(64) float gate[MR * kLanes], up[MR * kLanes];
+    for (int r = 0; r < MR; ++r) {
+      vstore_first(gate + r * kLanes, lo[r], kLanes);
+      vstore_first(up + r * kLanes, hi[r], kLanes);
+    }
+    for (int j = 0; j < MR * kLanes; ++j) gate[j] = gate[j] / (1.0f + std::exp(-gate[j])) * up[j];
+    for (int r = 0; r < MR; ++r) vstore_first(y + r * ldy, vload(gate + r * kLanes), kLanes);
   }
 }
 
 using TileFn = void (*)(const float*, int64_t, const float*, int64_t, float*, int64_t, int64_t, const float*,
-                        const float*, int64_t);
+                        const float*, int64_t, int, int64_t);
 
 template <int PF, int... MR>
 constexpr std::array<TileFn, kMaxRows + 1> tiles_for(std::integer_sequence<int, MR...>) {
@@ -118,6 +142,32 @@ constexpr std::array<TileFn, kMaxRows + 1> tiles_for(std::integer_sequence<int, 
 constexpr auto kRows = std::make_integer_sequence<int, kMaxRows>{};
 const std::array<TileFn, kMaxRows + 1> kTiles[3] = {tiles_for<kNone>(kRows), tiles_for<kAhead>(kRows),
                                                     tiles_for<kNextPanel>(kRows)};
+
+// out = x @ panels for every panel, in balanced row tiles, panels dealt out over the threads. Panel
+// pn writes its columns from out + pn * cols_per_panel: kPanel of them for kPlain (the last one
+// ragged at N), kLanes for the paired epilogues.
+void run_panels(int epi, const float* xp, int64_t M, int64_t K, const float* pp, int64_t panels, const float* bp,
+                float* yp, int64_t ldy, int64_t N, int64_t cols_per_panel, int64_t aux) {
+  const int64_t row_tiles = (M + kMaxRows - 1) / kMaxRows;
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t pn = begin; pn < end; ++pn) {
+      const int64_t c0 = pn * cols_per_panel, ncols = std::min<int64_t>(kPanel, N - c0);
+      const float* p = pp + pn * K * kPanel;
+      for (int64_t t = 0, m = 0; t < row_tiles; ++t) {
+        const int rows = static_cast<int>((M - m) / (row_tiles - t));  // balanced: 16 rows -> 8 + 8
+        // One tile: it streams its panel from memory, prefetching ahead into L1. Several: each
+        // prefetches an equal share of the next panel's k rows into L2 (the last tile of a thread's
+        // range has none to fetch).
+        const int mode = row_tiles == 1 ? kAhead : pn + 1 < end ? kNextPanel : kNone;
+        const int64_t lo = K * t / row_tiles, hi = K * (t + 1) / row_tiles;
+        const float* pf = mode == kAhead ? p + kPrefetchRows * kPanel : p + (K + lo) * kPanel;
+        kTiles[mode][rows](xp + m * K, K, p, K, yp + m * ldy + c0, ldy, ncols, bp ? bp + c0 : nullptr, pf, hi - lo,
+                           epi, aux);
+        m += rows;
+      }
+    }
+  });
+}
 
 }  // namespace
 
@@ -145,28 +195,41 @@ void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch:
   TORCH_CHECK(bias.numel() == 0 || (bias.numel() == N && bias.is_contiguous() && bias.dtype() == torch::kFloat32),
               "bias: empty or N contiguous fp32");
   if (M == 0) return;
-  const float* xp = x.data_ptr<float>();
-  const float* pp = packed.data_ptr<float>();
-  const float* bp = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  float* yp = out.data_ptr<float>();
-  const int64_t row_tiles = (M + kMaxRows - 1) / kMaxRows;
-  at::parallel_for(0, (N + kPanel - 1) / kPanel, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t pn = begin; pn < end; ++pn) {
-      const int64_t c0 = pn * kPanel, ncols = std::min<int64_t>(kPanel, N - c0);
-      const float* p = pp + pn * K * kPanel;
-      for (int64_t t = 0, m = 0; t < row_tiles; ++t) {
-        const int rows = static_cast<int>((M - m) / (row_tiles - t));  // balanced: 16 rows -> 8 + 8
-        // One tile: it streams its panel from memory, prefetching ahead into L1. Several: each
-        // prefetches an equal share of the next panel's k rows into L2 (the last tile of a thread's
-        // range has none to fetch).
-        const int mode = row_tiles == 1 ? kAhead : pn + 1 < end ? kNextPanel : kNone;
-        const int64_t lo = K * t / row_tiles, hi = K * (t + 1) / row_tiles;
-        const float* pf = mode == kAhead ? p + kPrefetchRows * kPanel : p + (K + lo) * kPanel;
-        kTiles[mode][rows](xp + m * K, K, p, K, yp + m * N + c0, N, ncols, bp ? bp + c0 : nullptr, pf, hi - lo);
-        m += rows;
-      }
-    }
-  });
+  run_panels(kPlain, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels,
+             bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N, kPanel, 0);
+}
+
+int64_t dense_gate_width() { return kLanes; }
+
+// A gated MLP's [gate; up] weight [2 I, K] (I a multiple of kLanes) -> [I / kLanes, K, kPanel]:
+// panel p holds gate columns kLanes*p.. in its first vector and the same up columns in its second.
+torch::Tensor dense_pack_gated(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2 && w.dtype() == torch::kFloat32, "dense_pack_gated takes a 2-d fp32 weight");
+  const int64_t N = w.size(0), K = w.size(1), inter = N / 2;
+  TORCH_CHECK(N % 2 == 0 && inter % kLanes == 0, "dense_pack_gated needs 2 x a multiple of ", kLanes, " rows");
+  auto halves = w.contiguous().view({2, inter / kLanes, kLanes, K});  // [gate|up, panel, lane, K]
+  return halves.permute({1, 3, 0, 2}).contiguous().view({inter / kLanes, K, kPanel});
+}
+
+// From a dense_pack_gated weight: out [M, I] = silu(x @ gate.T) * (x @ up.T), or with split the
+// product itself, out [M, 2 I] = [x @ gate.T | x @ up.T].
+void dense_gated_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor out, bool split) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && packed.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
+              "fp32 only");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && packed.is_contiguous(),
+              "contiguous 2-d x and out");
+  const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), inter = panels * kLanes;
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && out.size(0) == M &&
+                  out.size(1) == (split ? 2 * inter : inter),
+              "shapes disagree");
+  if (M == 0) return;
+  if (split) {
+    run_panels(kSplit, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, nullptr, out.data_ptr<float>(),
+               2 * inter, 2 * inter, kLanes, inter);
+  } else {
+    run_panels(kGated, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, nullptr, out.data_ptr<float>(),
+               inter, inter, kLanes, 0);
+  }
 }
 
 #else  // neither AVX-512 nor AVX2: oneDNN serves the projections (worker/dense.py asks dense_available())
@@ -177,6 +240,14 @@ torch::Tensor dense_pack(torch::Tensor) { TORCH_CHECK(false, "dense_pack needs A
 
 void dense_cpu(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor) {
   TORCH_CHECK(false, "dense_cpu needs AVX-512 or AVX2");
+}
+
+int64_t dense_gate_width() { return 0; }
+
+torch::Tensor dense_pack_gated(torch::Tensor) { TORCH_CHECK(false, "dense_pack_gated needs AVX-512 or AVX2"); }
+
+void dense_gated_cpu(torch::Tensor, torch::Tensor, torch::Tensor, bool) {
+  TORCH_CHECK(false, "dense_gated_cpu needs AVX-512 or AVX2");
 }
 
 #endif

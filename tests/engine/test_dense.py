@@ -30,3 +30,22 @@ def test_projection_matches_float64(rows: int, dtype: torch.dtype, tol: float) -
         (dtype == torch.bfloat16 and native_bf16) or (dtype == torch.float32 and not compiled)
     )
     assert (dense._weight is None) == (dense._panels is not None or dense._packed is not None)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 37])
+@pytest.mark.parametrize(("dtype", "tol"), [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_gated_projection_and_its_activation(rows: int, dtype: torch.dtype, tol: float) -> None:
+    """A gated [gate; up] projection gives the plain product and silu(gate) * up, fused or not."""
+    g = torch.Generator().manual_seed(100 + rows)
+    inter = 64
+    w = (torch.randn(2 * inter, 48, generator=g) / 4).to(dtype)
+    x = torch.randn(rows, 48, generator=g).to(dtype)
+    dense = Dense(w, gated=True)
+    gate, up = x.double() @ w[:inter].double().t(), x.double() @ w[inter:].double().t()
+    want = torch.nn.functional.silu(gate) * up
+    got_act, got_both = dense.silu_mul(x).double(), dense(x).double()
+    assert ((got_act - want).norm() / want.norm()).item() < tol
+    both = torch.cat([gate, up], dim=1)
+    assert ((got_both - both).norm() / both.norm()).item() < tol
+    compiled = cpu_kernels() is not None and cpu_kernels().dense_available()
+    assert (dense._gated is not None) == (dtype == torch.float32 and compiled)  # fused where it can be

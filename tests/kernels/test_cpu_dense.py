@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from kernels.cpu_kernels import cpu_kernels
-from kernels.dense import pack_weight, packed_linear
+from kernels.dense import gated_linear, pack_gated_weight, pack_weight, packed_linear
 
 
 @pytest.fixture(scope="module")
@@ -68,3 +68,33 @@ def test_refuses_what_it_cannot_serve(module: ModuleType) -> None:
     assert pack_weight(torch.randn(8, 8, dtype=torch.bfloat16)) is None  # bf16 stays with oneDNN
     with pytest.raises(ValueError, match="x has 9 features, the weight takes 8"):
         packed_linear(torch.randn(2, 9), pack_weight(torch.randn(4, 8)))
+
+
+@pytest.mark.parametrize("panels", [1, 3, 5])
+@pytest.mark.parametrize("rows", [1, 6, 7, 13, 25])
+def test_gated_pairs_match_float64(module: ModuleType, panels: int, rows: int) -> None:
+    """silu(gate) * up from the paired panels, and the split product, against float64; outputs start
+    as NaN. Intermediate sizes of 1, 3 and 5 vectors (more panels than threads, unevenly)."""
+    inter = panels * module.dense_gate_width()
+    g = torch.Generator().manual_seed(panels * 100 + rows)
+    w = torch.randn(2 * inter, 40, generator=g) / 4
+    x = torch.randn(rows, 40, generator=g)
+    paired = pack_gated_weight(w)
+    assert paired is not None and paired.intermediate == inter
+    gate, up = x.double() @ w[:inter].double().t(), x.double() @ w[inter:].double().t()
+    act = torch.full((rows, inter), float("nan"))
+    module.dense_gated_cpu(x, paired.panels, act, False)
+    assert _relative_error(act, torch.nn.functional.silu(gate) * up) < 1e-6
+    both = torch.full((rows, 2 * inter), float("nan"))
+    module.dense_gated_cpu(x, paired.panels, both, True)
+    assert _relative_error(both, torch.cat([gate, up], dim=1)) < 1e-6
+    assert torch.equal(gated_linear(x.view(rows, 1, 40), paired).view(rows, inter), act)
+
+
+def test_gated_packing_refuses_what_it_cannot_pair(module: ModuleType) -> None:
+    width = module.dense_gate_width()
+    assert pack_gated_weight(torch.randn(2 * width + 2, 8)) is None  # intermediate not whole vectors
+    assert pack_gated_weight(torch.randn(2 * width + 1, 8)) is None  # not two halves
+    assert pack_gated_weight(torch.randn(2 * width, 8, dtype=torch.bfloat16)) is None
+    with pytest.raises(ValueError, match="x has 9 features, the weight takes 8"):
+        gated_linear(torch.randn(2, 9), pack_gated_weight(torch.randn(2 * width, 8)))
