@@ -363,8 +363,14 @@ def measure_machine() -> dict[str, float]:
     }
 
 
-def roofline_probe(ckpt: Checkpoint, batch: int, context: int, machine: dict[str, float]) -> dict[str, Any]:
-    """Median decode step at ``batch`` sequences of ``context`` tokens vs the machine's roofline."""
+def roofline_probe(
+    ckpt: Checkpoint, batch: int, context: int, measure: Callable[[], dict[str, float]] = measure_machine
+) -> dict[str, Any]:
+    """Median decode step at ``batch`` sequences of ``context`` tokens vs the machine's roofline.
+
+    The machine is measured right before and right after the timed steps, and the higher figures of
+    the two set the roofline: a shared VM's bandwidth drifts by a third within minutes, and a roofline
+    measured minutes away from its steps said more about the drift than about the engine."""
     engine = LLMEngine(EngineConfig(max_num_seqs=batch, max_num_batched_tokens=max(batch, 2048)), ckpt)
     rng = random.Random(7)
     for i in range(batch):
@@ -372,11 +378,14 @@ def roofline_probe(ckpt: Checkpoint, batch: int, context: int, machine: dict[str
         engine.add_request(GenerationRequest(f"p{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True)))
     while any(s.is_prefilling for s in engine.scheduler.running) or engine.scheduler.num_waiting():
         engine.step()
+    before = measure()
     times = []
     for _ in range(10):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
+    after = measure()
+    machine = {k: max(before[k], after[k]) for k in before}
     step = statistics.median(times)
     model = engine.model
     kv_bytes = batch * (context + 5) * engine.kv_cache.bytes_per_token()
@@ -405,6 +414,7 @@ def roofline_probe(ckpt: Checkpoint, batch: int, context: int, machine: dict[str
         "weight_bytes": weight_bytes,
         "kv_bytes": kv_bytes,
         "gflop_per_step": round((flops + attn_flops) / 1e9, 2),
+        "machine": machine,
     }
 
 
@@ -415,11 +425,11 @@ ROOFLINE_POINTS = [(16, 256), (64, 256), (128, 128), (256, 64)]
 def add_roofline(report: dict[str, Any], ckpt: Checkpoint, points: list[tuple[int, int]], log: Any) -> None:
     """Measure the machine, then each probe; the saturation point is the one with most tokens/s."""
     log("measuring the machine and the roofline ...")
-    report["machine"] = measure_machine()
     probes = []
     for batch, context in points:
-        probes.append(roofline_probe(ckpt, batch, context, report["machine"]))
+        probes.append(roofline_probe(ckpt, batch, context))
         log(f"  {probes[-1]}")
+    report["machine"] = {k: max(p["machine"][k] for p in probes) for k in probes[0]["machine"]}
     report["roofline_points"] = probes
     report["roofline"] = max(probes, key=lambda p: p["tokens_per_s"])
 
@@ -627,25 +637,26 @@ def to_markdown(report: dict[str, Any]) -> str:
         ]
     r = report.get("roofline")
     if r:
-        mach = report["machine"]
         lines += [
             "",
-            f"Decode steps against this CPU's roofline: max(weight + KV bytes at "
-            f"{mach['memory_bandwidth_gb_s']} GB/s measured copy bandwidth, FLOPs at "
-            f"{mach['matmul_gflop_s']} GFLOP/s measured fp32 GEMM rate, the faster of torch.mm and "
-            "oneDNN's prepacked linear at 2048x2048x2048). Median of 10 steps. The sequential "
+            "Decode steps against this CPU's roofline: max(weight + KV bytes at the measured copy "
+            "bandwidth, FLOPs at the measured fp32 GEMM rate, the faster of torch.mm and oneDNN's "
+            "prepacked linear at 2048x2048x2048), both measured right before and right after each "
+            "probe's steps, the higher of the two counting. Median of 10 steps. The sequential "
             "bound runs a step's two phases one after the other, as a step does: max(weight bytes, "
             "GEMM FLOPs) for the projections and LM head, plus max(KV bytes, attention FLOPs).",
             "",
-            "| batch | context | step ms | decode tokens/s | memory-bound ms | compute-bound ms "
-            "| step / roofline | sequential bound ms | step / sequential bound |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "| batch | context | step ms | decode tokens/s | copy GB/s, GEMM GFLOP/s | memory-bound ms "
+            "| compute-bound ms | step / roofline | sequential bound ms | step / sequential bound |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for p in report.get("roofline_points", [r]):
             mark = " (saturation)" if p is r or p == r else ""
             x = "x" if "step_over_sequential_bound" in p else ""
+            m = p.get("machine", report["machine"])
             lines.append(
                 f"| {p['batch']}{mark} | {p['context']} | {p['step_ms']:.1f} | {p['tokens_per_s']:.0f} "
+                f"| {m['memory_bandwidth_gb_s']:.1f}, {m['matmul_gflop_s']:.0f} "
                 f"| {p['memory_bound_ms']:.1f} | {p['compute_bound_ms']:.1f} "
                 f"| {p['step_over_roofline']:.2f}x | {_cell(p, 'sequential_bound_ms', '.1f')} "
                 f"| {_cell(p, 'step_over_sequential_bound', '.2f')}{x} |"
