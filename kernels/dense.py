@@ -32,13 +32,19 @@ class PackedWeight:
     module: ModuleType
 
 
-def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
-    """The packed weight, or None where the compiled kernel cannot serve it (not fp32 on CPU, no
-    AVX-512 or AVX2, kernels disabled or unbuildable): the caller keeps its own path then."""
+def _kernel_for(weight: torch.Tensor) -> ModuleType | None:
+    """The compiled module where it can serve ``weight``: a 2-d fp32 CPU tensor, on an AVX-512 or
+    AVX2 build, kernels neither disabled nor unbuildable."""
     if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
         return None
     module = cpu_kernels()
-    if module is None or not module.dense_available():
+    return module if module is not None and module.dense_available() else None
+
+
+def pack_weight(weight: torch.Tensor) -> PackedWeight | None:
+    """The packed weight, or None where the compiled kernel cannot serve it: the caller keeps its own
+    path then."""
+    if (module := _kernel_for(weight)) is None:
         return None
     out_features, in_features = weight.shape
     return PackedWeight(module.dense_pack(weight.contiguous()), out_features, in_features, module)
@@ -57,10 +63,7 @@ class GatedWeight:
 def pack_gated_weight(weight: torch.Tensor) -> GatedWeight | None:
     """The paired packing of ``[gate; up]``, or None where the kernel cannot serve it (as
     :func:`pack_weight`, or an intermediate size that is not a multiple of the ISA's vector)."""
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or weight.dim() != 2:
-        return None
-    module = cpu_kernels()
-    if module is None or not module.dense_available():
+    if (module := _kernel_for(weight)) is None:
         return None
     rows, in_features = weight.shape
     if rows % 2 or (rows // 2) % module.dense_gate_width():
