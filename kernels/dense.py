@@ -74,9 +74,7 @@ def pack_gated_weight(weight: torch.Tensor) -> GatedWeight | None:
 def gated_linear(x: torch.Tensor, weight: GatedWeight, split: bool = False) -> torch.Tensor:
     """``silu(x @ gate.T) * (x @ up.T)`` ``[..., intermediate]``; with ``split``, the product
     ``[..., 2 * intermediate]`` (gate columns, then up), as a plain projection would give it."""
-    if x.shape[-1] != weight.in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.in_features}")
-    rows = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
+    rows = _rows(x, weight.in_features)
     width = weight.intermediate * (2 if split else 1)
     out = torch.empty(rows.shape[0], width, dtype=torch.float32)
     weight.module.dense_gated_cpu(rows, weight.panels, out, split)
@@ -85,9 +83,14 @@ def gated_linear(x: torch.Tensor, weight: GatedWeight, split: bool = False) -> t
 
 def packed_linear(x: torch.Tensor, weight: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ W.T (+ bias)`` for ``x`` of shape ``[..., in_features]``, fp32."""
-    if x.shape[-1] != weight.in_features:
-        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {weight.in_features}")
-    rows = x.reshape(-1, weight.in_features).to(torch.float32).contiguous()
+    rows = _rows(x, weight.in_features)
     out = torch.empty(rows.shape[0], weight.out_features, dtype=torch.float32)
     weight.module.dense_cpu(rows, weight.panels, _NO_BIAS if bias is None else bias.contiguous(), out)
     return out.view(*x.shape[:-1], weight.out_features)
+
+
+def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
+    """``x [..., in_features]`` as the contiguous fp32 ``[rows, in_features]`` the kernel reads."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"x has {x.shape[-1]} features, the weight takes {in_features}")
+    return x.reshape(-1, in_features).to(torch.float32).contiguous()

@@ -363,9 +363,7 @@ def measure_machine() -> dict[str, float]:
     }
 
 
-def roofline_probe(
-    ckpt: Checkpoint, batch: int, context: int, measure: Callable[[], dict[str, float]] = measure_machine
-) -> dict[str, Any]:
+def roofline_probe(ckpt: Checkpoint, batch: int, context: int) -> dict[str, Any]:
     """Median decode step at ``batch`` sequences of ``context`` tokens vs the machine's roofline.
 
     The machine is measured right before and right after the timed steps, and the higher figures of
@@ -378,13 +376,13 @@ def roofline_probe(
         engine.add_request(GenerationRequest(f"p{i}", prompt, SamplingParams(max_tokens=64, ignore_eos=True)))
     while any(s.is_prefilling for s in engine.scheduler.running) or engine.scheduler.num_waiting():
         engine.step()
-    before = measure()
+    before = measure_machine()
     times = []
     for _ in range(10):
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    after = measure()
+    after = measure_machine()
     machine = {k: max(before[k], after[k]) for k in before}
     step = statistics.median(times)
     model = engine.model
@@ -423,7 +421,8 @@ ROOFLINE_POINTS = [(16, 256), (64, 256), (128, 128), (256, 64)]
 
 
 def add_roofline(report: dict[str, Any], ckpt: Checkpoint, points: list[tuple[int, int]], log: Any) -> None:
-    """Measure the machine, then each probe; the saturation point is the one with most tokens/s."""
+    """Each probe, with the machine measured around it; the report's machine figures are the highest
+    the probes saw, and the saturation point is the probe with most tokens/s."""
     log("measuring the machine and the roofline ...")
     probes = []
     for batch, context in points:

@@ -145,13 +145,13 @@ const std::array<TileFn, kMaxRows + 1> kTiles[3] = {tiles_for<kNone>(kRows), til
 
 // out = x @ panels for every panel, in balanced row tiles, panels dealt out over the threads. Panel
 // pn writes its columns from out + pn * cols_per_panel: kPanel of them for kPlain (the last one
-// ragged at N), kLanes for the paired epilogues.
+// ragged at the row width ldy), kLanes for the paired epilogues.
 void run_panels(int epi, const float* xp, int64_t M, int64_t K, const float* pp, int64_t panels, const float* bp,
-                float* yp, int64_t ldy, int64_t N, int64_t cols_per_panel, int64_t aux) {
+                float* yp, int64_t ldy, int64_t cols_per_panel, int64_t aux) {
   const int64_t row_tiles = (M + kMaxRows - 1) / kMaxRows;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t pn = begin; pn < end; ++pn) {
-      const int64_t c0 = pn * cols_per_panel, ncols = std::min<int64_t>(kPanel, N - c0);
+      const int64_t c0 = pn * cols_per_panel, ncols = std::min<int64_t>(kPanel, ldy - c0);
       const float* p = pp + pn * K * kPanel;
       for (int64_t t = 0, m = 0; t < row_tiles; ++t) {
         const int rows = static_cast<int>((M - m) / (row_tiles - t));  // balanced: 16 rows -> 8 + 8
@@ -183,12 +183,16 @@ torch::Tensor dense_pack(torch::Tensor w) {
   return padded.view({panels, kPanel, K}).transpose(1, 2).contiguous();
 }
 
-// out[M, N] = x[M, K] @ W.T (+ bias), W given as dense_pack packed it.
-void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out) {
+static void check_operands(const torch::Tensor& x, const torch::Tensor& packed, const torch::Tensor& out) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && packed.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
               "fp32 only");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && packed.is_contiguous(),
               "contiguous 2-d x and out");
+}
+
+// out[M, N] = x[M, K] @ W.T (+ bias), W given as dense_pack packed it.
+void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch::Tensor out) {
+  check_operands(x, packed, out);
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), panels = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && panels * kPanel >= N && out.size(0) == M,
               "shapes disagree");
@@ -196,7 +200,7 @@ void dense_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor bias, torch:
               "bias: empty or N contiguous fp32");
   if (M == 0) return;
   run_panels(kPlain, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels,
-             bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, N, kPanel, 0);
+             bias.numel() ? bias.data_ptr<float>() : nullptr, out.data_ptr<float>(), N, kPanel, 0);
 }
 
 int64_t dense_gate_width() { return kLanes; }
@@ -214,22 +218,14 @@ torch::Tensor dense_pack_gated(torch::Tensor w) {
 // From a dense_pack_gated weight: out [M, I] = silu(x @ gate.T) * (x @ up.T), or with split the
 // product itself, out [M, 2 I] = [x @ gate.T | x @ up.T].
 void dense_gated_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor out, bool split) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && packed.dtype() == torch::kFloat32 && out.dtype() == torch::kFloat32,
-              "fp32 only");
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && out.is_contiguous() && packed.is_contiguous(),
-              "contiguous 2-d x and out");
+  check_operands(x, packed, out);
   const int64_t M = x.size(0), K = x.size(1), panels = packed.size(0), inter = panels * kLanes;
-  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && out.size(0) == M &&
-                  out.size(1) == (split ? 2 * inter : inter),
+  const int64_t width = split ? 2 * inter : inter;
+  TORCH_CHECK(packed.size(1) == K && packed.size(2) == kPanel && out.size(0) == M && out.size(1) == width,
               "shapes disagree");
   if (M == 0) return;
-  if (split) {
-    run_panels(kSplit, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, nullptr, out.data_ptr<float>(),
-               2 * inter, 2 * inter, kLanes, inter);
-  } else {
-    run_panels(kGated, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, nullptr, out.data_ptr<float>(),
-               inter, inter, kLanes, 0);
-  }
+  run_panels(split ? kSplit : kGated, x.data_ptr<float>(), M, K, packed.data_ptr<float>(), panels, nullptr,
+             out.data_ptr<float>(), width, kLanes, split ? inter : 0);
 }
 
 #else  // neither AVX-512 nor AVX2: oneDNN serves the projections (worker/dense.py asks dense_available())
