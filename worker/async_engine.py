@@ -42,7 +42,7 @@ class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self._wake = engine.wakeup  # one event: a command or a finished adapter load wakes the loop
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -152,6 +152,10 @@ class AsyncEngine:
                 for out in self.engine.step():
                     self._deliver(out)
                 self._stats = self.engine.stats()
+                if (
+                    self.engine.stalled()
+                ):  # waiting on an adapter load: sleep until it (or a command) wakes us
+                    self.engine.wait_for_progress(timeout=0.5)
         except BaseException as exc:  # the loop must never die silently with callers waiting
             log.exception("engine loop crashed")
             self._error = exc

@@ -8,6 +8,7 @@ pieces and is driven by one thread (``AsyncEngine`` runs it in the background fo
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 import torch
@@ -78,6 +79,11 @@ class LLMEngine:
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters()
+        # Set by whatever may unblock a stalled step: an adapter load that finished, a driver's command.
+        self.wakeup = threading.Event()
+        self._stalled = False
+        if self.lora is not None:
+            self.lora.on_loaded = self.wakeup.set
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = self.kv_cache.bytes_per_token()
 
@@ -128,13 +134,14 @@ class LLMEngine:
     # ---- the step ------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        """One iteration: schedule, execute, update, emit. Every request that ends in it is counted
+        once as finished, whichever way it ended."""
         batch = self.scheduler.schedule()
         rejected = [
             self._final(seq, FinishReason.ERROR, reason) for seq, reason in self.scheduler.take_rejected()
         ]
+        self._stalled = not batch and not rejected and self.scheduler.has_work()
         if not batch:
-            if self.scheduler.has_work() and not rejected:
-                time.sleep(0.002)  # only waiting on adapters being read: do not spin the thread
             return rejected
         t0 = time.monotonic()
         try:
@@ -143,15 +150,26 @@ class LLMEngine:
             log.exception("forward step failed; failing the %d requests in it", len(batch.seqs))
             self.counters.consecutive_failed_steps += 1
             error = f"{type(exc).__name__}: {exc}"
-            return [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
+            return rejected + [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
         self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
         # A row with non-finite logits fails its own request; the rest of the batch goes on.
         failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
         updates = self.scheduler.update_from_output(batch, result.sampled)
-        outputs = rejected + failed + self.outputs.process(updates, result.logprobs, self.scheduler)
+        emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
         self.counters.generated_tokens += len(updates)
-        self.counters.finished += sum(1 for o in outputs if o.finished)
-        return outputs
+        self.counters.finished += sum(1 for o in emitted if o.finished)
+        return rejected + failed + emitted
+
+    def stalled(self) -> bool:
+        """The last step ran nothing although requests wait: they wait on a resource (an adapter being
+        read). A driver then waits in :meth:`wait_for_progress` instead of spinning."""
+        return self._stalled
+
+    def wait_for_progress(self, timeout: float | None = None) -> None:
+        """Block until something may let a waiting request run (an adapter load finished) or a caller
+        sets :attr:`wakeup` (a new request, an abort), at most ``timeout`` seconds."""
+        self.wakeup.wait(timeout)
+        self.wakeup.clear()
 
     # ---- stats ---------------------------------------------------------------------------------
 
@@ -179,6 +197,8 @@ class LLMEngine:
         while self.has_unfinished():
             for out in self.step():
                 merge_output(merged, out)
+            if self.stalled():
+                self.wait_for_progress(timeout=1.0)
         return merged
 
 

@@ -15,6 +15,7 @@ import concurrent.futures
 import logging
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 
 import torch
 
@@ -54,6 +55,7 @@ class LoraSlots:
         self._loads: dict[str, concurrent.futures.Future[LoadedAdapter]] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
         self.load_seconds: list[float] = []  # how long each adapter took to read, for benchmarks
+        self.on_loaded: Callable[[], None] = lambda: None  # wakes an engine that waits on a load
 
     # ---- the scheduler's gate ------------------------------------------------------------------
 
@@ -93,7 +95,12 @@ class LoraSlots:
         if load is None:
             started = time.monotonic()
             load = self._pool.submit(load_adapter, adapter.path, self.config, self.max_rank)
-            load.add_done_callback(lambda _f: self.load_seconds.append(time.monotonic() - started))
+
+            def done(_f: concurrent.futures.Future[LoadedAdapter]) -> None:
+                self.load_seconds.append(time.monotonic() - started)
+                self.on_loaded()
+
+            load.add_done_callback(done)
             self._loads[adapter.id] = load
             return Gate.WAIT
         if not load.done():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any
 
 import pytest
@@ -11,6 +12,7 @@ import worker.model_runner
 from tests.helpers import eventually
 from worker.checkpoint import Checkpoint
 from worker.engine import EngineConfig, LLMEngine
+from worker.lora import LoraRequest
 from worker.request import FinishReason, GenerationRequest, SamplingParams
 from worker.sampler import RequestRng
 from worker.sampler import sample as real_sample
@@ -125,3 +127,71 @@ def test_greedy_rows_take_the_first_maximum_and_skip_non_finite_rows() -> None:
     assert got[0] == 7 and got[2] == 3 and got[3] is None and isinstance(got[1], int)
     all_greedy = real_sample(logits[[0, 2]], [SamplingParams(), SamplingParams()], [None, None])
     assert all_greedy == [7, 3]
+
+
+def _broken_adapter(tmp_path: Any) -> LoraRequest:
+    """An adapter whose weights file is garbage: its load fails, so the gate fails its requests."""
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"r": 4, "lora_alpha": 8}')
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    return LoraRequest("t/broken", str(broken))
+
+
+def _until_loaded(engine: LLMEngine, adapter: LoraRequest) -> None:
+    assert engine.lora is not None
+    load = engine.lora._loads[adapter.id]
+    concurrent.futures.wait([load])
+
+
+def test_every_ended_request_counts_once_as_finished(
+    tiny: Checkpoint, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A gate rejection, a non-finite row and a normal end each count one finished request."""
+    engine = LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256, max_loras=1), tiny)
+
+    def faulty_sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any]) -> list[Any]:
+        logits = logits.clone()
+        for i, p in enumerate(params):
+            if p.seed == POISON_SEED:
+                logits[i, 3] = float("nan")
+        return real_sample(logits, params, rngs)
+
+    monkeypatch.setattr(worker.model_runner, "sample", faulty_sample)
+    rejected = GenerationRequest(
+        "bad", list(b"x"), SamplingParams(max_tokens=4), adapter=_broken_adapter(tmp_path)
+    )
+    poisoned = _req("nan", "hostile", max_tokens=8, temperature=0.7, seed=POISON_SEED)
+    normal = _req("ok", "fine", max_tokens=8, ignore_eos=True)
+    out = engine.run_to_completion([rejected, poisoned, normal])
+    assert [out[r].finish_reason for r in ("bad", "nan", "ok")] == [
+        FinishReason.ERROR,
+        FinishReason.ERROR,
+        FinishReason.LENGTH,
+    ]
+    assert engine.stats().finished_requests == 3
+
+
+def test_a_step_whose_forward_fails_still_ends_the_requests_the_gate_rejected(
+    tiny: Checkpoint, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rows the gate failed earlier in a step get their final output even when the forward raises."""
+    engine = LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256, max_loras=1), tiny)
+    adapter = _broken_adapter(tmp_path)
+    engine.add_request(_req("ok", "fine", max_tokens=8, ignore_eos=True))
+    engine.add_request(GenerationRequest("bad", list(b"x"), SamplingParams(max_tokens=4), adapter=adapter))
+    engine.step()  # "ok" prefills; "bad" waits while its adapter is read (and fails to load)
+    _until_loaded(engine, adapter)
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(engine.model, "forward", broken)
+    ended = {o.request_id: o for o in engine.step() if o.finished}
+    assert set(ended) == {"bad", "ok"}
+    assert "adapter could not be loaded" in (ended["bad"].error or "")
+    assert "device lost" in (ended["ok"].error or "")
+    assert not engine.has_unfinished()
+    assert engine.stats().finished_requests == 2
+    engine.block_manager.check_consistency()
+    assert engine.block_manager.num_used_blocks == 0
