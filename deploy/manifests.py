@@ -85,7 +85,7 @@ def serve_config(ray_service: Manifest) -> Manifest:
 def loom_app_args(ray_service: Manifest) -> Manifest:
     """The ``args`` of the application whose import path is Loom's builder."""
     (app,) = [
-        a for a in serve_config(ray_service)["applications"] if a["import_path"] == "loom.app:build_app"
+        a for a in serve_config(ray_service)["applications"] if a["import_path"] == "serving.app:build_app"
     ]
     return app.get("args", {})
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from gateway.engine_pool import EnginePool
 from gateway.errors import ErrorKind, GatewayError
-from gateway.pools import EnginePool
+from protocol.tokenizer import Tokenizer
 from tenancy import Tenant
-from worker.api import Tokenizer
 
 
 @dataclass(frozen=True)

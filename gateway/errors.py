@@ -13,8 +13,8 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from protocol.limits import Violation
 from tenancy import RequestTooLargeError, TenancyError
-from worker.api import Violation
 
 
 class ErrorKind(enum.StrEnum):

@@ -44,8 +44,9 @@ from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest, TokenLogprobs
 from gateway.settings import GatewaySettings
 from gateway.tls import TlsFiles
+from protocol.limits import LIMITS, Violation
+from protocol.requests import FinishReason
 from tenancy import Principal
-from worker.api import LIMITS, FinishReason, Violation
 
 log = logging.getLogger(__name__)
 

@@ -37,6 +37,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.catalog import ModelCatalog, ModelRoute
+from gateway.engine_pool import WorkerLostError
 from gateway.errors import ErrorKind, GatewayError, from_tenancy, invalid_argument
 from gateway.metrics import (
     AUTH_REFUSALS,
@@ -48,25 +49,22 @@ from gateway.metrics import (
     TPOT,
     TTFT,
 )
-from gateway.pools import WorkerLostError
 from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
 from gateway.validation import ValidRequest, validate
-from tenancy import Admission, AuthenticationError, Limit, Outcome, Principal, Tenancy, TenancyError, Tenant
-from worker.api import (
-    LIMITS,
+from protocol.adapters import LoraRequest
+from protocol.limits import LIMITS, Violation
+from protocol.requests import (
     EngineDeadError,
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
-    LoraRequest,
     RequestOutput,
     SamplingParams,
-    TemplateError,
-    Tokenizer,
-    Violation,
 )
+from protocol.tokenizer import TemplateError, Tokenizer
+from tenancy import Admission, AuthenticationError, Limit, Outcome, Principal, Tenancy, TenancyError, Tenant
 
 log = logging.getLogger(__name__)
 

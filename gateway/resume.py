@@ -19,8 +19,8 @@ import dataclasses
 import logging
 from collections.abc import AsyncGenerator
 
-from gateway.pools import EnginePool, WorkerLostError
-from worker.api import GenerationRequest, RequestOutput
+from gateway.engine_pool import EnginePool, WorkerLostError
+from protocol.requests import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from common import Priority
-from worker.api import FinishReason
+from protocol.requests import FinishReason
 
 ROLES = ("system", "user", "assistant")
 

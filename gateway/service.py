@@ -20,7 +20,8 @@ from gateway.errors import ErrorKind, GatewayError, invalid_argument
 from gateway.grpc_status import abort
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest
-from worker.api import FinishReason, Violation
+from protocol.limits import Violation
+from protocol.requests import FinishReason
 
 log = logging.getLogger(__name__)
 

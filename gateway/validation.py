@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from common import Priority
 from gateway.errors import invalid_argument
 from gateway.schema import ROLES, ChatMessage, InferenceRequest
+from protocol.limits import LIMITS, Violation, sampling_violations
 from tenancy.admission import REQUEST_ID_PATTERN
-from worker.api import LIMITS, Violation, sampling_violations
 
 MAX_MODEL_NAME_CHARS = 256
 MAX_USER_CHARS = 256

@@ -41,16 +41,9 @@ import torch
 from loadtest import peer_vllm
 from loadtest.machine import cpu_info, cpu_line
 from loadtest.words import BENCHMARK_WORDS
-from worker.api import (
-    Checkpoint,
-    EngineConfig,
-    GenerationRequest,
-    LLMEngine,
-    RequestOutput,
-    SamplingParams,
-    SchedulingMode,
-    load_checkpoint,
-)
+from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
+from worker.api import Checkpoint, LLMEngine, load_checkpoint
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import platform
 import statistics
 import tempfile
@@ -55,35 +54,27 @@ def _summary(xs: list[float]) -> dict[str, float]:
 async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     import ray
     from ray import serve
-    from ray.serve.config import ProxyLocation
 
     from gateway.api import pb
-    from gateway.catalog import ModelCatalog
     from gateway.client import LoomClient
-    from gateway.pools import ServeEnginePool
-    from gateway.server import GatewayServer
     from gateway.settings import GatewaySettings
     from loadtest.tiny_model import random_checkpoint, save_hf_dir
-    from tenancy import RedisTenantStore, Tenancy, TenancySettings
+    from protocol.engine_config import EngineConfig
+    from protocol.model_files import load_tokenizer
+    from protocol.requests import GenerationRequest, SamplingParams
+    from serving.bootstrap import serve_route, start_gateway, start_ray, start_serve
+    from serving.replica import engine_deployment
+    from tenancy import RedisTenantStore, TenancySettings
     from tenancy.models import SHARED_POOL, Quotas, Tenant
-    from worker.api import (
-        AsyncEngine,
-        EngineConfig,
-        GenerationRequest,
-        LLMEngine,
-        SamplingParams,
-        engine_deployment,
-        load_tokenizer,
-        process_registry,
-    )
+    from worker.api import AsyncEngine, LLMEngine
 
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-gw-"))
     model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
     engine_config = EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
 
     log("starting Ray and the engine replica ...")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(proxy_location=ProxyLocation.Disabled)
+    start_ray(num_cpus=4)
+    start_serve()
     app = engine_deployment(engine_config, name=f"engine-{SHARED_POOL}", pool=SHARED_POOL)
     handle = serve.run(app, name="bench-engine", route_prefix=None)
     local = AsyncEngine(LLMEngine(engine_config)).start()
@@ -95,13 +86,13 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     store = RedisTenantStore.from_settings(tenancy_settings)
     store.create_tenant(Tenant(id="bench", quotas=Quotas.unlimited()), actor="bench")
     key = store.create_key("bench", actor="bench").plaintext.get_secret_value()
-    tenancy = Tenancy.from_settings(tenancy_settings)
-    await tenancy.start()
+    gateway = await start_gateway(
+        GatewaySettings(port=0, http_port=0, metrics_port=None),
+        tenancy_settings,
+        [serve_route(handle, SHARED_POOL, model_dir)],
+    )
+    server = gateway.server
     tok = load_tokenizer(model_dir)
-    catalog = await ModelCatalog.build([(ServeEnginePool(handle, SHARED_POOL, process_registry()), tok)])
-    server = await GatewayServer(
-        GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog
-    ).start()
     client = LoomClient(server.address, key)
     prompt = "hello loom"
     ids = tok.encode(prompt)
@@ -172,8 +163,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     await client.close()
     await http.close()
     await httpx_client.aclose()
-    await server.stop(grace_s=0)
-    await tenancy.stop()
+    await gateway.stop(grace_s=0)
     local.shutdown()
     serve.shutdown()
     ray.shutdown()

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import logging
 import multiprocessing
 import random
 import statistics
@@ -175,23 +174,21 @@ class _LoopLag:
 async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: Any) -> dict[str, Any]:
     import ray
     from ray import serve
-    from ray.serve.config import ProxyLocation
 
-    from gateway.catalog import ModelCatalog
     from gateway.client import LoomClient
-    from gateway.pools import ServeEnginePool
-    from gateway.server import GatewayServer
     from gateway.settings import GatewaySettings
     from loadtest.tiny_model import random_checkpoint, save_hf_dir
-    from tenancy import RedisTenantStore, Tenancy, TenancySettings
+    from protocol.engine_config import EngineConfig
+    from serving.bootstrap import serve_route, start_gateway, start_ray, start_serve
+    from serving.replica import engine_deployment
+    from tenancy import RedisTenantStore, TenancySettings
     from tenancy.models import SHARED_POOL, Quotas, Tenant
-    from worker.api import EngineConfig, engine_deployment, load_tokenizer, process_registry
 
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-isolation-"))
     model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
     log("starting Ray and the engine replica ...")
-    ray.init(num_cpus=4, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(proxy_location=ProxyLocation.Disabled)
+    start_ray(num_cpus=4)
+    start_serve()
     engine = EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
     app = engine_deployment(engine, name=f"engine-{SHARED_POOL}", pool=SHARED_POOL)
     handle = serve.run(app, name="bench-isolation", route_prefix=None)
@@ -204,14 +201,12 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
     for name in ("streamer", "flooder"):
         store.create_tenant(Tenant(id=name, quotas=Quotas.unlimited()), actor="bench")
         keys[name] = store.create_key(name, actor="bench").plaintext.get_secret_value()
-    tenancy = Tenancy.from_settings(settings)
-    await tenancy.start()
-    catalog = await ModelCatalog.build(
-        [(ServeEnginePool(handle, SHARED_POOL, process_registry()), load_tokenizer(model_dir))]
+    gateway = await start_gateway(
+        GatewaySettings(port=0, http_port=0, metrics_port=None),
+        settings,
+        [serve_route(handle, SHARED_POOL, model_dir)],
     )
-    server = await GatewayServer(
-        GatewaySettings(port=0, http_port=0, metrics_port=None), tenancy, catalog
-    ).start()
+    server = gateway.server
     assert server.http_address is not None
     client = LoomClient(server.address, keys["streamer"])
     phases: dict[str, Any] = {}
@@ -241,8 +236,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
                 await asyncio.to_thread(proc.join, 30)
     finally:
         await client.close()
-        await server.stop(grace_s=0)
-        await tenancy.stop()
+        await gateway.stop(grace_s=0)
         serve.shutdown()
         ray.shutdown()
         import redis

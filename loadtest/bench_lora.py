@@ -29,14 +29,10 @@ import torch
 from loadtest.bench_engine import make_workload
 from loadtest.machine import cpu_line
 from loadtest.tiny_model import save_random_adapter
-from worker.api import (
-    EngineConfig,
-    GenerationRequest,
-    LLMEngine,
-    LoraRequest,
-    SamplingParams,
-    load_checkpoint,
-)
+from protocol.adapters import LoraRequest
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, SamplingParams
+from worker.api import LLMEngine, load_checkpoint
 
 RESULTS_DIR = Path(__file__).parent / "results"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")

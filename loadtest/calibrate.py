@@ -37,20 +37,14 @@ from typing import Any
 
 import numpy as np
 
+from common import Priority
 from loadtest.costmodel import Deployment, Hardware, ModelShape, StepItem, cpu_hardware, step_cost
 from loadtest.generator import PlannedRequest
 from loadtest.simulator import EngineSpec, Simulator
 from loadtest.stats import percentile
-from worker.api import (
-    Checkpoint,
-    EngineConfig,
-    GenerationRequest,
-    LLMEngine,
-    Priority,
-    SamplingParams,
-    SchedulingMode,
-    load_checkpoint,
-)
+from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.requests import GenerationRequest, SamplingParams
+from worker.api import Checkpoint, LLMEngine, load_checkpoint
 
 RESULTS_DIR = Path(__file__).parent / "results"
 

@@ -11,17 +11,12 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from worker.api import (
-    BlockManager,
-    FinishReason,
-    Priority,
-    SamplingParams,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    SchedulingMode,
-    Sequence,
-)
+from common import Priority
+from protocol.engine_config import SchedulingMode
+from protocol.requests import FinishReason, SamplingParams
+from worker.block_manager import BlockManager
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from worker.sequence import Sequence
 
 _ids = itertools.count()
 

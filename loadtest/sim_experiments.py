@@ -34,7 +34,7 @@ from loadtest.generator import PlannedRequest, plan_workload
 from loadtest.simulator import EngineSpec, SimResult, Simulator
 from loadtest.stats import SloSpec, find_knee, keeps_up, sweep_point
 from loadtest.workload import Workload, load_workload
-from worker.api import SchedulingMode
+from protocol.engine_config import SchedulingMode
 
 RESULTS_DIR = Path(__file__).parent / "results"
 WORKLOADS = Path(__file__).parent / "workloads"

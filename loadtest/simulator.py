@@ -31,15 +31,11 @@ import numpy as np
 from loadtest.costmodel import Deployment, StepItem, step_cost
 from loadtest.generator import PlannedRequest
 from loadtest.stats import INCOMPLETE, OK, RequestRecord, SloSpec, grouped
-from worker.api import (
-    BlockManager,
-    SamplingParams,
-    ScheduledBatch,
-    Scheduler,
-    SchedulerConfig,
-    SchedulingMode,
-    Sequence,
-)
+from protocol.engine_config import SchedulingMode
+from protocol.requests import SamplingParams
+from worker.block_manager import BlockManager
+from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from worker.sequence import Sequence
 
 _STAND_IN_TOKEN = 7
 _ids = itertools.count()

@@ -23,7 +23,10 @@ import httpx
 
 from gateway.api import pb
 from gateway.client import LoomClient
-from worker.api import EngineConfig, GenerationRequest, LLMEngine, SamplingParams, load_tokenizer
+from protocol.engine_config import EngineConfig
+from protocol.model_files import load_tokenizer
+from protocol.requests import GenerationRequest, SamplingParams
+from worker.api import LLMEngine
 
 
 @dataclass

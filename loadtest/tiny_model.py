@@ -14,7 +14,9 @@ import torch
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as HFTokenizer
 
-from worker.api import Checkpoint, ModelConfig, Tokenizer
+from protocol.model_config import ModelConfig
+from protocol.tokenizer import Tokenizer
+from worker.api import Checkpoint
 
 BYTE_VOCAB = 256
 EOS_TEXT = "<eos>"
@@ -135,7 +137,7 @@ def save_random_adapter(
 
     from safetensors.torch import save_file
 
-    from worker.api import target_shape
+    from protocol.adapters import target_shape
 
     g = torch.Generator().manual_seed(seed)
     tensors: dict[str, torch.Tensor] = {}

@@ -10,11 +10,9 @@ from collections.abc import Callable
 # sets ``func`` on its parser; ``main`` calls it with the parsed arguments and exits with its result.
 _COMMAND_MODULES: list[str] = [
     "loom.cmd_generate",
-    "loom.cmd_bench",
-    "loom.cmd_loadtest",
+    "loom.cmd_bench",  # bench, loadtest and soak: launchers of loadtest/ in a source checkout
     "loom.cmd_admin",
     "loom.cmd_serve",
-    "loom.cmd_soak",
 ]
 
 
@@ -31,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    from loom import cmd_bench
+
+    if argv and argv[0] in cmd_bench.LAUNCHED:  # the benchmarks parse their own arguments
+        sys.exit(cmd_bench.launch(argv[0], argv[1:]))
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -296,7 +296,8 @@ def _adapter(store: TenantAdmin, args: argparse.Namespace, actor: str, out: _Out
         return out.error(
             TenancyError(f"tenant {tenant.id!r} already has an adapter {args.name!r} (--replace)")
         )
-    from worker.api import AdapterError, CheckpointError, inspect_adapter, load_model_config
+    from protocol.adapters import AdapterError, inspect_adapter
+    from protocol.model_files import CheckpointError, load_model_config
 
     try:
         base, config = load_model_config(args.base_model, args.model_name)

@@ -12,7 +12,7 @@ import sys
 import time
 
 from gateway.settings import ClientSettings
-from worker.api import EngineConfig
+from protocol.engine_config import EngineConfig
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -98,14 +98,10 @@ async def _run_remote(args: argparse.Namespace) -> int:
 
 
 def _run_local(args: argparse.Namespace) -> int:
-    from worker.api import (
-        CheckpointError,
-        GenerationRequest,
-        InvalidRequestError,
-        LLMEngine,
-        SamplingParams,
-        UnsupportedModelError,
-    )
+    from protocol.model_config import UnsupportedModelError
+    from protocol.model_files import CheckpointError
+    from protocol.requests import GenerationRequest, InvalidRequestError, SamplingParams
+    from worker.api import LLMEngine
 
     settings = EngineConfig(model_path=args.model) if args.model else EngineConfig()
     try:

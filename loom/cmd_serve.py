@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import os
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING
 
+from protocol.engine_config import EngineConfig
 from tenancy.models import SHARED_POOL
-from worker.api import EngineConfig
+
+if TYPE_CHECKING:
+    from gateway.settings import GatewaySettings
+    from tenancy import TenancySettings
 
 log = logging.getLogger("loom.serve")
 
@@ -43,27 +46,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
     p.add_argument("--ray-address", default=None, help="join an existing Ray cluster instead of starting one")
     p.set_defaults(func=run)
-
-
-def start_ray(address: str | None = None) -> None:
-    import ray
-
-    if ray.is_initialized():
-        return
-    if address:
-        ray.init(address=address, logging_level=logging.WARNING)
-        return
-    # A fresh local cluster on ports that do not collide with Redis; no dashboard, quiet workers.
-    os.environ.setdefault("RAY_DEDUP_LOGS", "1")
-    # ray.init picks a free GCS port for a local cluster (only `ray start --head` defaults to 6379).
-    ray.init(include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-
-
-def start_serve() -> None:
-    from ray import serve
-    from ray.serve.config import ProxyLocation
-
-    serve.start(proxy_location=ProxyLocation.Disabled, http_options={"host": "127.0.0.1", "port": 0})
 
 
 def _banner(address: str, http_address: str | None, demo_key: str | None, tls: bool) -> str:
@@ -129,17 +111,18 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _serve(
-    args: argparse.Namespace, gateway: object, tenancy_settings: object, demo_key: str | None
+    args: argparse.Namespace, gateway: GatewaySettings, tenancy: TenancySettings, demo_key: str | None
 ) -> int:
-    import ray
-    from ray import serve
-
-    from gateway.catalog import ModelCatalog
-    from gateway.pools import ServeEnginePool
-    from gateway.server import GatewayServer
-    from loom.app import PoolSpec, engine_app, gateway_app, tokenizer_path
-    from tenancy import Tenancy
-    from worker.api import load_tokenizer, process_registry
+    from serving.app import PoolSpec, engine_app, gateway_app, model_path
+    from serving.bootstrap import (
+        RunningGateway,
+        deploy,
+        serve_route,
+        shutdown,
+        start_gateway,
+        start_ray,
+        start_serve,
+    )
 
     started = time.monotonic()
     engine = EngineConfig(model_path=args.model) if args.model else EngineConfig()
@@ -158,28 +141,20 @@ async def _serve(
     await asyncio.to_thread(start_ray, args.ray_address)
     await asyncio.to_thread(start_serve)
 
-    server = None
-    tenancy = None
+    running: RunningGateway | None = None
     if args.gateway_in_serve:
-        app = gateway_app(pools, gateway, tenancy_settings)  # type: ignore[arg-type]
-        handle = await asyncio.to_thread(serve.run, app, name="loom", route_prefix=None)
+        app = gateway_app(pools, gateway, tenancy)
+        handle = await asyncio.to_thread(deploy, app, "loom")
         address = await handle.address.remote()
         http_address = await handle.http_address.remote()
     else:
-        handles = {}
+        routes = []
         for p in pools:
-            handles[p.name] = await asyncio.to_thread(
-                serve.run, engine_app(p), name=p.deployment_name, route_prefix=None
-            )
-        tokenizers = {p.name: await asyncio.to_thread(load_tokenizer, tokenizer_path(p)) for p in pools}
-        tenancy = Tenancy.from_settings(tenancy_settings)  # type: ignore[arg-type]
-        await tenancy.start()
-        catalog = await ModelCatalog.build(
-            [(ServeEnginePool(h, name, process_registry()), tokenizers[name]) for name, h in handles.items()]
-        )
-        server = await GatewayServer(gateway, tenancy, catalog).start()  # type: ignore[arg-type]
-        address = server.address
-        http_address = server.http_address
+            app = engine_app(p)
+            handle = await asyncio.to_thread(deploy, app, p.deployment_name)
+            routes.append(serve_route(handle, p.name, model_path(p)))
+        running = await start_gateway(gateway, tenancy, routes)
+        address, http_address = running.server.address, running.server.http_address
     print(f"ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
     print(_banner(address, http_address, demo_key, bool(args.tls_cert)), flush=True)
 
@@ -189,12 +164,8 @@ async def _serve(
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     print("\nshutting down: draining streams ...", file=sys.stderr)
-    if server is not None:
-        await server.stop()
-    if tenancy is not None:
-        await tenancy.stop()
-    with contextlib.suppress(Exception):
-        await asyncio.to_thread(serve.shutdown)
-    await asyncio.to_thread(ray.shutdown)
+    if running is not None:
+        await running.stop()
+    await asyncio.to_thread(shutdown)
     print("stopped", file=sys.stderr)
     return 0

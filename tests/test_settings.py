@@ -10,7 +10,7 @@ from pathlib import Path
 from pydantic_settings import BaseSettings
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("common", "kernels", "worker", "tenancy", "gateway", "loom", "loadtest")
+PACKAGES = ("common", "protocol", "kernels", "worker", "tenancy", "gateway", "serving", "loom", "loadtest")
 
 # Product code that touches os.environ for a reason other than reading Loom's settings.
 ENVIRON_ALLOWED = {

@@ -16,15 +16,18 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from protocol.commands import AbortRequest, AddRequest, EngineCommand
+from protocol.requests import (
+    EngineDeadError,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    RequestOutput,
+)
+from protocol.stats import EngineStats
 from worker.engine import LLMEngine
-from worker.request import FinishReason, GenerationRequest, InvalidRequestError, RequestOutput
-from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread is not running (stopped, or crashed)."""
 
 
 @dataclass
@@ -41,7 +44,7 @@ class _Sink:
 class AsyncEngine:
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
-        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = engine.wakeup  # one event: a command or a finished adapter load wakes the loop
         self._sinks: dict[str, _Sink] = {}
         self._lock = threading.Lock()
@@ -85,7 +88,7 @@ class AsyncEngine:
             if request.request_id in self._sinks:
                 raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
             self._sinks[request.request_id] = sink
-        self._commands.put(("add", request))
+        self._commands.put(AddRequest(request))
         self._wake.set()
         finished = False
         try:
@@ -103,7 +106,7 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop ``request_id``; its blocks are freed before the next step."""
-        self._commands.put(("abort", request_id))
+        self._commands.put(AbortRequest(request_id))
         self._wake.set()
 
     def stats(self) -> EngineStats:
@@ -123,22 +126,22 @@ class AsyncEngine:
     def _drain_commands(self) -> None:
         while True:
             try:
-                kind, arg = self._commands.get_nowait()
+                command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
-                req: GenerationRequest = arg  # type: ignore[assignment]
-                try:
-                    self.engine.add_request(req)
-                except Exception as exc:  # validation raced a config change, or a duplicate id
-                    with self._lock:
-                        sink = self._sinks.pop(req.request_id, None)
-                    if sink is not None:
-                        sink.put(exc)
-            elif kind == "abort":
-                out = self.engine.abort(str(arg))
-                if out is not None:
-                    self._deliver(out)
+            match command:
+                case AddRequest(request=req):
+                    try:
+                        self.engine.add_request(req)
+                    except Exception as exc:  # validation raced a config change, or a duplicate id
+                        with self._lock:
+                            sink = self._sinks.pop(req.request_id, None)
+                        if sink is not None:
+                            sink.put(exc)
+                case AbortRequest(request_id=rid):
+                    out = self.engine.abort(rid)
+                    if out is not None:
+                        self._deliver(out)
 
     def _loop(self) -> None:
         try:

@@ -14,11 +14,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-
-class SchedulingMode(enum.StrEnum):
-    CONTINUOUS = "continuous"
-    STATIC = "static"
-    STATIC_NO_PADDING = "static_no_padding"
+from protocol.engine_config import SchedulingMode
 
 
 class Admission(enum.Enum):

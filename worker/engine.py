@@ -8,30 +8,33 @@ pieces and is driven by one thread (``AsyncEngine`` runs it in the background fo
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 
 import torch
 
-from worker.block_manager import BlockManager
-from worker.checkpoint import Checkpoint, load_checkpoint
-from worker.config import EngineConfig
-from worker.engine_counters import EngineCounters
-from worker.kv_cache import KVCache, blocks_for_budget
-from worker.lora_slots import LoraSlots
-from worker.model import LlamaModel
-from worker.model_runner import ModelRunner
-from worker.output_processor import OutputProcessor
-from worker.request import (
+from protocol.engine_config import EngineConfig
+from protocol.model_info import ModelInfo
+from protocol.requests import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
     RequestOutput,
     TokenLogprob,
 )
+from protocol.stats import EngineStats
+from worker.block_manager import BlockManager
+from worker.checkpoint import Checkpoint, load_checkpoint
+from worker.device import kv_budget_bytes, resolved_device, resolved_dtype
+from worker.engine_counters import EngineCounters
+from worker.kv_cache import KVCache, blocks_for_budget
+from worker.lora_slots import LoraSlots
+from worker.model import LlamaModel
+from worker.model_runner import ModelRunner
+from worker.output_processor import OutputProcessor
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
-from worker.stats import EngineStats
 
 log = logging.getLogger(__name__)
 
@@ -47,12 +50,12 @@ class LLMEngine:
         self.model_name = config.model_name or ckpt.name
         self.tokenizer = ckpt.tokenizer
         self.model_config = ckpt.config
-        self.device = config.resolved_device()
-        self.dtype = config.resolved_dtype(self.device)
+        self.device = resolved_device(config)
+        self.dtype = resolved_dtype(config, self.device)
         self.model = LlamaModel(ckpt.config, ckpt.weights, self.dtype, self.device)
 
         num_blocks = config.num_blocks or blocks_for_budget(
-            ckpt.config, config.block_size, self.dtype, config.kv_budget_bytes(self.device)
+            ckpt.config, config.block_size, self.dtype, kv_budget_bytes(config, self.device)
         )
         self.kv_cache = KVCache.allocate(ckpt.config, num_blocks, config.block_size, self.dtype, self.device)
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -182,6 +185,16 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         return self.counters.snapshot(self.scheduler, self.block_manager, self.lora)
+
+    def model_info(self, pool: str = "") -> ModelInfo:
+        return ModelInfo(
+            model=self.model_name,
+            context_length=self.max_model_len,
+            vocab_size=self.model_config.vocab_size,
+            pool=pool,
+            device=str(self.device),
+            pid=os.getpid(),
+        )
 
     # ---- offline convenience -------------------------------------------------------------------
 

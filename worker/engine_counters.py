@@ -8,10 +8,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from common import Priority
+from protocol.stats import EngineStats
 from worker.block_manager import BlockManager
 from worker.lora_slots import LoraSlots
 from worker.scheduler import ScheduledBatch, Scheduler
-from worker.stats import EngineStats
 
 BUSY_WINDOW_S = 10.0
 

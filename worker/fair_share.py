@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-from worker.request import Priority
+from common import Priority
 
 Key = tuple[Priority, str]
 

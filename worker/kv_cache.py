@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from worker.model_config import ModelConfig
+from protocol.model_config import ModelConfig
 
 
 def blocks_for_budget(config: ModelConfig, block_size: int, dtype: torch.dtype, budget_bytes: int) -> int:

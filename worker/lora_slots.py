@@ -20,8 +20,9 @@ from collections.abc import Callable
 import torch
 
 from kernels import LoraBatch
-from worker.lora import LoadedAdapter, LoraRequest, load_adapter, target_shape
-from worker.model_config import ModelConfig
+from protocol.adapters import LoraRequest, target_shape
+from protocol.model_config import ModelConfig
+from worker.lora import LoadedAdapter, load_adapter
 from worker.scheduler import Gate
 from worker.sequence import Sequence
 

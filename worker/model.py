@@ -26,8 +26,8 @@ from kernels import (
     write_kv,
 )
 from kernels.cpu_kernels import cpu_kernels
+from protocol.model_config import ModelConfig
 from worker.dense import Dense
-from worker.model_config import ModelConfig
 
 
 class LoraWeights(Protocol):

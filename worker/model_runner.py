@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import PagedAttentionMetadata
+from protocol.requests import TokenLogprob
 from worker.kv_cache import KVCache
 from worker.lora_slots import LoraSlots
 from worker.model import ForwardBatch, LlamaModel, LoraStep
-from worker.request import TokenLogprob
 from worker.sampler import RequestRng, sample, token_logprobs
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.requests import FinishReason, RequestOutput, TokenLogprob
+from protocol.tokenizer import Tokenizer
 from worker.detokenizer import IncrementalDetokenizer
-from worker.request import FinishReason, RequestOutput, TokenLogprob
 from worker.scheduler import Scheduler, SequenceUpdate
 from worker.sequence import Sequence
-from worker.tokenizer import Tokenizer
 
 
 @dataclass

@@ -15,7 +15,7 @@ import secrets
 import torch
 
 from kernels.argmax import argmax_rows
-from worker.request import SamplingParams, TokenLogprob
+from protocol.requests import SamplingParams, TokenLogprob
 
 
 class RequestRng:

@@ -28,10 +28,11 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common import Priority
-from worker.batching_policy import Admission, BatchingPolicy, SchedulingMode
+from protocol.engine_config import SchedulingMode
+from protocol.requests import FinishReason
+from worker.batching_policy import Admission, BatchingPolicy
 from worker.block_manager import BlockManager
 from worker.fair_share import FairShare
-from worker.request import FinishReason
 from worker.sequence import GREEDY, Sequence, SequenceStatus
 
 

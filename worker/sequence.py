@@ -13,8 +13,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from common import Priority
-from worker.lora import LoraRequest
-from worker.request import FinishReason, GenerationRequest, SamplingParams
+from protocol.adapters import LoraRequest
+from protocol.requests import FinishReason, GenerationRequest, SamplingParams
 
 _arrivals = itertools.count()
 

@@ -37,8 +37,8 @@ from gateway.api import SERVICE_NAME
 from gateway.http_front import HttpFront
 from gateway.settings import ClientSettings, GatewaySettings
 from kernels.settings import KernelSettings
+from protocol.engine_config import EngineConfig
 from tenancy import TenancySettings
-from worker.api import EngineConfig
 
 from .test_schemas import build_from_manifest
 

@@ -123,7 +123,7 @@ def test_rayservice_validates_against_kuberays_crd(rendered: dict[str, list[Mani
 def test_serve_config_validates_with_ray_serve(rendered: dict[str, list[Manifest]]) -> None:
     for objects in rendered.values():
         config = ServeDeploySchema.model_validate(serve_config(one(objects, "RayService")))
-        assert [a.import_path for a in config.applications] == ["loom.app:build_app"]
+        assert [a.import_path for a in config.applications] == ["serving.app:build_app"]
         (app,) = config.applications
         assert app.route_prefix is None  # clients reach the gateway's own servers, not Serve's proxy
 

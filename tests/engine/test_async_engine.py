@@ -6,11 +6,18 @@ import asyncio
 
 import pytest
 
+from protocol.engine_config import EngineConfig
+from protocol.requests import (
+    EngineDeadError,
+    FinishReason,
+    GenerationRequest,
+    InvalidRequestError,
+    SamplingParams,
+)
 from tests.helpers import eventually
-from worker.async_engine import AsyncEngine, EngineDeadError
+from worker.async_engine import AsyncEngine
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
+from worker.engine import LLMEngine
 
 
 @pytest.fixture

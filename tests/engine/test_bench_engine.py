@@ -23,7 +23,8 @@ from loadtest.bench_engine import (
     run_engine,
     step_breakdown,
 )
-from worker.api import SchedulingMode, load_checkpoint
+from protocol.engine_config import SchedulingMode
+from worker.api import load_checkpoint
 from worker.checkpoint import Checkpoint
 
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.tokenizer import TemplateError
 from tests.engine.conftest import PROMPTS
 from worker.checkpoint import Checkpoint
-from worker.tokenizer import TemplateError
 
 
 def test_control_token_text_in_a_message_stays_text(smollm: Checkpoint) -> None:

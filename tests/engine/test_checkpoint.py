@@ -10,16 +10,12 @@ import pytest
 import torch
 
 from loadtest.tiny_model import save_hf_dir
-from worker.checkpoint import (
-    Checkpoint,
-    CheckpointError,
-    embedded_model_path,
-    load_checkpoint,
-    load_tokenizer,
-)
-from worker.engine import EngineConfig, LLMEngine
-from worker.model_config import UnsupportedModelError
-from worker.request import GenerationRequest, SamplingParams
+from protocol.engine_config import EngineConfig
+from protocol.model_config import UnsupportedModelError
+from protocol.model_files import CheckpointError, embedded_model_path, load_tokenizer
+from protocol.requests import GenerationRequest, SamplingParams
+from worker.checkpoint import Checkpoint, load_checkpoint
+from worker.engine import LLMEngine
 
 
 def test_gguf_weights_and_tokenizer_match_transformers(smollm: Checkpoint) -> None:

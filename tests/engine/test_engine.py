@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import pytest
 
+from common import Priority
+from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.requests import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
 from worker.checkpoint import Checkpoint
 from worker.detokenizer import IncrementalDetokenizer
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import FinishReason, GenerationRequest, InvalidRequestError, Priority, SamplingParams
-from worker.scheduler import SchedulingMode
+from worker.engine import LLMEngine
 
 
 @pytest.fixture

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine, merge_output
-from worker.request import GenerationRequest, RequestOutput, SamplingParams
+from worker.engine import LLMEngine, merge_output
 
 
 def _engine(ck: Checkpoint, **kw: object) -> LLMEngine:

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import worker.model_runner
+from protocol.adapters import LoraRequest
+from protocol.engine_config import EngineConfig
+from protocol.requests import FinishReason, GenerationRequest, SamplingParams
 from tests.helpers import eventually
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine
-from worker.lora import LoraRequest
-from worker.request import FinishReason, GenerationRequest, SamplingParams
+from worker.engine import LLMEngine
 from worker.sampler import RequestRng
 from worker.sampler import sample as real_sample
 
@@ -88,10 +89,11 @@ async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
     tiny: Checkpoint, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from loadtest.tiny_model import save_hf_dir
-    from worker.serve_engine import UNHEALTHY_AFTER_FAILED_STEPS, EngineReplica
+    from serving.replica import EngineReplica
+    from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
 
     model_dir = save_hf_dir(tiny, tmp_path / "tiny")
-    replica = EngineReplica(EngineConfig(model_path=str(model_dir), num_blocks=64).model_dump(), "shared")
+    replica = EngineReplica(EngineConfig(model_path=str(model_dir), num_blocks=64), "shared")
     try:
         replica.check_health()
         core = replica.engine.engine

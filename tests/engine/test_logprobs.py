@@ -6,10 +6,11 @@ from typing import Any
 
 import torch
 
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, SamplingParams
 from tests.engine.conftest import PROMPTS
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import GenerationRequest, SamplingParams
+from worker.engine import LLMEngine
 
 
 def test_logprobs_match_transformers_for_greedy_and_sampled_tokens(smollm: Checkpoint, hf_model: Any) -> None:

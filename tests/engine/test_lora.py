@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 import torch
 
+from protocol.adapters import AdapterError, LoraRequest, inspect_adapter
+from protocol.engine_config import EngineConfig
+from protocol.requests import FinishReason, GenerationRequest, SamplingParams
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine
-from worker.lora import AdapterError, LoraRequest, inspect_adapter
-from worker.request import FinishReason, GenerationRequest, SamplingParams
+from worker.engine import LLMEngine
 
 MAX_TOKENS = 16
 ADAPTERS: dict[str, dict[str, Any]] = {

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from loadtest.tiny_model import byte_tokenizer
+from protocol.requests import FinishReason, GenerationRequest, SamplingParams
 from worker.output_processor import OutputProcessor
-from worker.request import FinishReason, GenerationRequest, SamplingParams
 from worker.scheduler import SequenceUpdate
 from worker.sequence import Sequence
 

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common import Priority
 from loadtest.scheduler_sim import SchedulerSim
-from worker.request import Priority
-from worker.scheduler import SchedulingMode
+from protocol.engine_config import SchedulingMode
 
 
 def _assert_clean(sim: SchedulerSim) -> None:

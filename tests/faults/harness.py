@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,16 +28,17 @@ import redis
 
 from gateway.client import LoomClient
 from loadtest.soak_streams import Received, grpc_stream
-from loom.app import PoolSpec, engine_app
+from protocol.engine_config import EngineConfig
+from serving.app import PoolSpec, engine_app
+from serving.replica_stats import process_registry
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tenancy.redis_layout import RedisLayout
 from tests.helpers import eventually
-from worker.api import EngineConfig, process_registry
 
 TINY = "tiny"
 SECRET = "faults-test-secret-0123456789abcdef"
-# Replicas publish their stats to the router every second (worker.serve_engine), and Serve forwards a
+# Replicas publish their stats to the router every second (serving.replica), and Serve forwards a
 # publication only when it changed: a state that lasted this long has been published.
 STATS_SETTLE_S = 2.5
 
@@ -76,13 +76,13 @@ def ray_for_folder(model_dir: Path) -> Iterator[Engines]:
     """
     import ray
     from ray import serve
-    from ray.serve.config import ProxyLocation
+
+    from serving.bootstrap import start_ray, start_serve
 
     started = not ray.is_initialized()
     if started:
-        # Logical CPUs: replicas reserve them for scheduling; the real cores are shared anyway.
-        ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(proxy_location=ProxyLocation.Disabled)
+        start_ray(num_cpus=8)  # logical CPUs: replicas reserve them; the real cores are shared anyway
+    start_serve()
     try:
         yield Engines(model_dir)
     finally:

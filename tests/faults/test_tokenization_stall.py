@@ -19,14 +19,15 @@ import grpc
 import pytest
 
 from gateway.api import pb
-from gateway.catalog import ModelCatalog
 from gateway.client import LoomClient
-from gateway.pools import LocalEnginePool
-from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
-from tenancy import FileTenantStore, Tenancy, TenancySettings
+from protocol.engine_config import EngineConfig
+from protocol.limits import LIMITS
+from serving.bootstrap import PoolRoute, start_gateway
+from serving.pools import LocalEnginePool
+from tenancy import FileTenantStore, TenancySettings
 from tenancy.models import Quotas, Tenant
-from worker.api import LIMITS, AsyncEngine, EngineConfig, LLMEngine, load_tokenizer
+from worker.api import AsyncEngine, LLMEngine
 
 
 @pytest.fixture
@@ -42,17 +43,15 @@ async def served(model_dir: Path, tmp_path: Path) -> AsyncIterator[tuple[str, st
     store = FileTenantStore(settings.tenants_file, settings.hasher())
     store.create_tenant(Tenant(id="big", quotas=Quotas.unlimited()), actor="tests")
     key = store.create_key("big", actor="tests").plaintext.get_secret_value()
-    tenancy = Tenancy.from_settings(settings)
-    await tenancy.start()
-    catalog = await ModelCatalog.build([(LocalEnginePool(engine), load_tokenizer(model_dir))])
-    server = await GatewayServer(
-        GatewaySettings(port=0, http_port=None, metrics_port=None), tenancy, catalog
-    ).start()
+    gateway = await start_gateway(
+        GatewaySettings(port=0, http_port=None, metrics_port=None),
+        settings,
+        [PoolRoute(LocalEnginePool(engine), model_dir)],
+    )
     try:
-        yield server.address, key
+        yield gateway.server.address, key
     finally:
-        await server.stop(grace_s=0)
-        await tenancy.stop()
+        await gateway.stop(grace_s=0)
         engine.shutdown()
 
 

@@ -4,7 +4,6 @@ the embedded SmolLM2), the real gateway over a loopback socket, tenants in the r
 from __future__ import annotations
 
 import contextlib
-import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -14,17 +13,17 @@ from typing import Any
 import pytest
 import redis
 
-from gateway.catalog import ModelCatalog
+import serving.bootstrap
 from gateway.client import LoomClient
-from gateway.pools import ServeEnginePool
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from loadtest.tiny_model import random_checkpoint, save_hf_dir
-from loom.app import PoolSpec, engine_app
+from protocol.engine_config import EngineConfig
+from serving.app import PoolSpec, engine_app
+from serving.bootstrap import running_gateway, serve_route, start_ray, start_serve
 from tenancy import RedisTenantStore, Tenancy, TenancySettings
 from tenancy.models import Quotas, Tenant
 from tests.helpers import eventually
-from worker.api import EngineConfig, load_tokenizer, process_registry
 
 SECRET = "gateway-test-secret-0123456789abcdef"
 TINY = "tiny"
@@ -35,11 +34,10 @@ SMOL = "smollm2-135m-instruct"
 def ray_serve() -> Iterator[None]:
     import ray
     from ray import serve
-    from ray.serve.config import ProxyLocation
 
     # Logical CPUs: replicas reserve them for scheduling; the 2 real cores are shared anyway.
-    ray.init(num_cpus=8, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    serve.start(proxy_location=ProxyLocation.Disabled)
+    start_ray(num_cpus=8)
+    start_serve()
     yield
     serve.shutdown()
     ray.shutdown()
@@ -134,19 +132,14 @@ class Gateway:
 async def start_gateway(
     handles: dict[str, Any], tenancy_settings: TenancySettings, tiny_dir: Path, **settings: Any
 ) -> tuple[GatewayServer, Tenancy]:
-    tenancy = Tenancy.from_settings(tenancy_settings)
-    await tenancy.start()
-    tiny_tok, smol_tok = load_tokenizer(tiny_dir), load_tokenizer(None)
-    catalog = await ModelCatalog.build(
-        [
-            (ServeEnginePool(handles["tiny"], "shared", process_registry()), tiny_tok),
-            (ServeEnginePool(handles["smol"], "shared", process_registry()), smol_tok),
-            (ServeEnginePool(handles["vip"], "vip", process_registry()), tiny_tok),
-        ]
-    )
+    routes = [
+        serve_route(handles["tiny"], "shared", tiny_dir),
+        serve_route(handles["smol"], "shared", None),
+        serve_route(handles["vip"], "vip", tiny_dir),
+    ]
     gw_settings = GatewaySettings(port=0, http_port=0, metrics_port=0, drain_grace_s=5.0, **settings)
-    server = await GatewayServer(gw_settings, tenancy, catalog).start()
-    return server, tenancy
+    running = await serving.bootstrap.start_gateway(gw_settings, tenancy_settings, routes)
+    return running.server, running.tenancy
 
 
 @contextlib.asynccontextmanager
@@ -154,19 +147,11 @@ async def private_gateway(
     handle: Any, tenancy_settings: TenancySettings, tiny_dir: Path, **settings: Any
 ) -> AsyncIterator[GatewayServer]:
     """A gateway of its own in front of one engine deployment (for tests that break or load it)."""
-    tenancy = Tenancy.from_settings(tenancy_settings)
-    await tenancy.start()
-    catalog = await ModelCatalog.build(
-        [(ServeEnginePool(handle, "shared", process_registry()), load_tokenizer(tiny_dir))]
-    )
-    server = await GatewayServer(
-        GatewaySettings(**{"port": 0, "http_port": 0, "metrics_port": None, **settings}), tenancy, catalog
-    ).start()
-    try:
-        yield server
-    finally:
-        await server.stop(grace_s=0)
-        await tenancy.stop()
+    gw_settings = GatewaySettings(**{"port": 0, "http_port": 0, "metrics_port": None, **settings})
+    async with running_gateway(
+        gw_settings, tenancy_settings, [serve_route(handle, "shared", tiny_dir)]
+    ) as gw:
+        yield gw.server
 
 
 @pytest.fixture(scope="session")

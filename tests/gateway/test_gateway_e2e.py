@@ -12,8 +12,10 @@ from google.rpc import error_details_pb2, status_pb2
 from common import Priority
 from gateway.api import pb
 from gateway.grpc_status import RETRY_AFTER_METADATA
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, SamplingParams
 from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually
-from worker.api import EngineConfig, GenerationRequest, LLMEngine, SamplingParams, load_checkpoint
+from worker.api import LLMEngine, load_checkpoint
 
 
 async def collect(call: Any) -> tuple[list[pb.GenerateResponse], str, list[int], pb.GenerateResponse]:

@@ -26,7 +26,7 @@ from prometheus_client import REGISTRY
 from gateway.api import SERVICE_NAME, pb
 from gateway.client import LoomClient
 from gateway.settings import GatewaySettings
-from loom.app import PoolSpec, engine_app
+from serving.app import PoolSpec, engine_app
 from tenancy import TenancySettings
 from tests.gateway.conftest import (
     SECRET,
@@ -273,7 +273,7 @@ async def test_stream_survives_a_killed_worker(
                 delivered = sum(len(c.token_ids) for c in chunks)
                 if not killed_after and delivered >= 20:
                     killed_after = delivered
-                    os.kill((await fragile.model_info.remote())["pid"], signal.SIGKILL)
+                    os.kill((await fragile.model_info.remote()).pid, signal.SIGKILL)
         assert killed_after
         assert any("resuming" in rec.getMessage() for rec in caplog.records), "the stream was not resumed"
         ids = [t for c in chunks for t in c.token_ids]
@@ -305,7 +305,7 @@ async def test_gateway_runs_as_a_serve_deployment(
 ) -> None:
     from ray import serve
 
-    from gateway.serve_ingress import gateway_deployment
+    from serving.ingress import gateway_deployment
 
     port = _free_port()
     app = gateway_deployment(
@@ -344,7 +344,7 @@ def pair(ray_serve: None, tiny_dir: Path) -> Any:
 async def test_router_keeps_a_prefix_on_one_replica_and_spreads_load(
     gateway: Gateway, pair: Any, tenancy_settings: TenancySettings, tiny_dir: Path
 ) -> None:
-    from worker.api import process_registry
+    from serving.replica_stats import process_registry
 
     (_, key_a), (_, key_b) = await gateway.tenant(), await gateway.tenant()
     prompt = "A shared system prompt that many requests of this tenant start with. " * 2

@@ -18,6 +18,7 @@ from gateway.schema import ChatMessage, Delta, InferenceRequest, Usage
 from gateway.server import GatewayServer
 from gateway.service import to_request, to_response
 from gateway.settings import GatewaySettings
+from protocol.requests import FinishReason
 from tenancy import (
     AuthenticationError,
     ModelNotAllowedError,
@@ -29,7 +30,6 @@ from tenancy import (
     TenantSuspendedError,
 )
 from tenancy.errors import ConcurrentModificationError, TenantExistsError
-from worker.api import FinishReason
 
 
 def _rich(status: grpc.Status) -> status_pb2.Status:

@@ -12,18 +12,13 @@ import pytest
 from gateway.api import pb
 from gateway.metrics import ENGINE
 from loadtest.tiny_model import random_checkpoint, save_random_adapter
+from protocol.adapters import LoraRequest, inspect_adapter
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, SamplingParams
 from tenancy import AdapterRecord
 from tests.gateway.conftest import TINY, Gateway, eventually
 from tests.gateway.test_gateway_e2e import collect
-from worker.api import (
-    EngineConfig,
-    GenerationRequest,
-    LLMEngine,
-    LoraRequest,
-    SamplingParams,
-    inspect_adapter,
-    load_checkpoint,
-)
+from worker.api import LLMEngine, load_checkpoint
 
 
 @pytest.fixture(scope="module")

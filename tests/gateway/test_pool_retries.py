@@ -8,15 +8,10 @@ from typing import Any
 
 import pytest
 
-from gateway.pools import ServeEnginePool, WorkerLostError
-from worker.api import (
-    EngineDeadError,
-    FinishReason,
-    GenerationRequest,
-    ReplicaStatsRegistry,
-    RequestOutput,
-    SamplingParams,
-)
+from gateway.engine_pool import WorkerLostError
+from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from serving.pools import ServeEnginePool
+from serving.replica_stats import ReplicaStatsRegistry
 
 
 class _Response:

@@ -20,14 +20,16 @@ from prometheus_client import REGISTRY
 
 from common import Priority
 from gateway.catalog import ModelCatalog, ModelRoute
+from gateway.engine_pool import WorkerLostError
 from gateway.errors import ErrorKind, GatewayError
-from gateway.pools import PoolModel, WorkerLostError
 from gateway.request_path import INLINE_TOKENIZE_BYTES, RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest, ServedModel
 from gateway.settings import GatewaySettings
 from gateway.validation import validate
+from protocol.limits import LIMITS
+from protocol.model_info import ModelInfo
+from protocol.requests import FinishReason, GenerationRequest, RequestOutput
 from tenancy import FileTenantStore, Quotas, Tenancy, TenancySettings, Tenant
-from worker.api import LIMITS, FinishReason, GenerationRequest, RequestOutput
 
 MODEL = "fake"
 CONTEXT = 64
@@ -138,8 +140,8 @@ class ScriptedPool:
         self.requests: list[GenerationRequest] = []
         self.closed = 0  # engine streams stopped (finished, aborted or failed)
 
-    async def describe(self) -> PoolModel:
-        return PoolModel(MODEL, CONTEXT, 256)
+    async def describe(self) -> ModelInfo:
+        return ModelInfo(MODEL, CONTEXT, 256)
 
     def replica_stats(self) -> dict[str, Any]:
         return {}

@@ -7,10 +7,11 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from gateway.pools import PoolModel, WorkerLostError
+from gateway.engine_pool import WorkerLostError
 from gateway.resume import resumable_stream
 from loadtest.tiny_model import byte_tokenizer
-from worker.api import FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from protocol.model_info import ModelInfo
+from protocol.requests import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 
 
 class DyingPool:
@@ -26,8 +27,8 @@ class DyingPool:
         self.die_after_final = die_after_final
         self.requests: list[GenerationRequest] = []
 
-    async def describe(self) -> PoolModel:
-        return PoolModel("fake", 4096, 257)
+    async def describe(self) -> ModelInfo:
+        return ModelInfo("fake", 4096, 257)
 
     def replica_stats(self) -> dict:
         return {}

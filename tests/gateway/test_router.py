@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 from common import Priority
-from worker.request import GenerationRequest
-from worker.serve_router import Candidate, affinity_key, load_score, rank
-from worker.stats import EngineStats
+from protocol.requests import GenerationRequest
+from protocol.stats import EngineStats
+from serving.router import Candidate, affinity_key, load_score, rank
 
 
 def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> EngineStats:
@@ -76,7 +76,7 @@ def test_a_retry_avoids_the_replica_that_failed_it_even_when_it_is_idlest() -> N
 
 
 def test_an_adapter_request_prefers_a_replica_that_holds_it_while_load_allows() -> None:
-    from worker.serve_router import adapter_holder
+    from serving.router import adapter_holder
 
     stats = {
         "a": replace(_stats(kv=0.1), loaded_adapters=()),

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from gateway.serve_ingress import gateway_deployment
 from gateway.settings import GatewaySettings
+from serving.ingress import gateway_deployment
 from tenancy import TenancySettings
 
 

@@ -8,9 +8,10 @@ import pytest
 
 from kernels import force_triton
 from loadtest.tiny_model import random_checkpoint, tiny_config
+from protocol.engine_config import EngineConfig
+from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
 from worker.checkpoint import Checkpoint
-from worker.engine import EngineConfig, LLMEngine, merge_output
-from worker.request import GenerationRequest, RequestOutput, SamplingParams
+from worker.engine import LLMEngine, merge_output
 
 FIRST = ["the loom weaves", "a b c d e f g h i j k", "paged attention, one block at a time", "x"]
 # Share at least one full 8-token block with a first-round prompt, so the prefix cache serves it.

@@ -19,16 +19,16 @@ import pytest
 import yaml
 
 from common import Priority
-from gateway.catalog import ModelCatalog
-from gateway.pools import LocalEnginePool
-from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from loadtest.driver import DriverError, DriverRequest, GrpcDriver, HttpDriver
 from loadtest.tiny_model import random_checkpoint, save_hf_dir
 from loom.cli import build_parser
-from tenancy import FileTenantStore, Tenancy, TenancySettings
+from protocol.engine_config import EngineConfig
+from serving.bootstrap import PoolRoute, start_gateway
+from serving.pools import LocalEnginePool
+from tenancy import FileTenantStore, TenancySettings
 from tenancy.models import Quotas, Tenant
-from worker.api import AsyncEngine, EngineConfig, LLMEngine, load_tokenizer
+from worker.api import AsyncEngine, LLMEngine
 
 
 @dataclass
@@ -61,14 +61,12 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
     for name in ("acme", "globex"):
         store.create_tenant(Tenant(id=name, quotas=Quotas.unlimited()), actor="tests")
         keys[name] = store.create_key(name, actor="tests").plaintext.get_secret_value()
-    tenancy = Tenancy.from_settings(settings)
-    await tenancy.start()
     pool = LocalEnginePool(engine)
     model = (await pool.describe()).model
-    catalog = await ModelCatalog.build([(pool, load_tokenizer(model_dir))])
-    server = await GatewayServer(
-        GatewaySettings(port=0, http_port=0, metrics_port=0), tenancy, catalog
-    ).start()
+    gateway = await start_gateway(
+        GatewaySettings(port=0, http_port=0, metrics_port=0), settings, [PoolRoute(pool, model_dir)]
+    )
+    server = gateway.server
     try:
         assert server.http_address is not None
         yield Served(
@@ -79,8 +77,7 @@ async def served(tmp_path: Path) -> AsyncIterator[Served]:
             keys,
         )
     finally:
-        await server.stop(grace_s=0)
-        await tenancy.stop()
+        await gateway.stop(grace_s=0)
         engine.shutdown()
 
 

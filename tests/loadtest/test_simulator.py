@@ -11,7 +11,7 @@ from loadtest.costmodel import Deployment, Hardware, ModelShape
 from loadtest.generator import PlannedRequest
 from loadtest.simulator import EngineSpec, Simulator
 from loadtest.stats import INCOMPLETE, OK
-from worker.api import SchedulingMode
+from protocol.engine_config import SchedulingMode
 
 TOY = ModelShape("toy", 8, 16, 2, 2, 1, 4, 10, False, 64)
 # Memory and compute are free: every step costs exactly the 1 s host term, so time counts steps.

@@ -34,7 +34,7 @@ from loadtest.prometheus import (
     utilization_figures,
     utilization_series,
 )
-from worker.api import EngineStats
+from protocol.stats import EngineStats
 
 
 def scrape(

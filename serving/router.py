@@ -24,13 +24,13 @@ from typing import Any
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common import Priority
-from worker.replica_stats import process_registry
-from worker.request import GenerationRequest
-from worker.stats import EngineStats
+from protocol.requests import GenerationRequest
+from protocol.stats import EngineStats
+from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS, process_registry
 
 log = logging.getLogger(__name__)
 
-ROUTER_CLASS = "worker.serve_router:LoomRequestRouter"
+ROUTER_CLASS = "serving.router:LoomRequestRouter"
 
 AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
 AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
@@ -46,7 +46,7 @@ def load_score(stats: EngineStats | None, priority: Priority, sent_since_stats: 
     ahead = stats.waiting_at_or_above(priority)
     load = stats.kv_cache_usage + 0.05 * (ahead + sent_since_stats) + 0.002 * stats.num_running
     # A replica whose steps fail finishes everything at once and looks idle: idle must not mean best.
-    return load + FAILING_PENALTY * min(stats.consecutive_failed_steps, 3)
+    return load + FAILING_PENALTY * min(stats.consecutive_failed_steps, UNHEALTHY_AFTER_FAILED_STEPS)
 
 
 def affinity_key(request: GenerationRequest) -> bytes:

@@ -1,18 +1,22 @@
 """How an engine is built: one settings model, from ``LOOM_ENGINE_*`` environment variables, flags or code.
 
-The same object configures an in-process engine, every Serve replica (it crosses to them as
-``model_dump()``) and the RayService manifests' environment; nothing mirrors its fields.
+The same object configures an in-process engine, every Serve replica and the RayService manifests'
+environment; nothing mirrors its fields. It is plain data (no torch): what the device and dtype
+``auto`` resolve to is the engine's business (worker/device.py).
 """
 
 from __future__ import annotations
 
-import torch
+import enum
+
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from worker.batching_policy import SchedulingMode
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+class SchedulingMode(enum.StrEnum):
+    CONTINUOUS = "continuous"
+    STATIC = "static"
+    STATIC_NO_PADDING = "static_no_padding"
 
 
 class EngineConfig(BaseSettings):
@@ -42,21 +46,3 @@ class EngineConfig(BaseSettings):
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on cpu")
     max_loras: int = Field(4, ge=0, description="LoRA adapters resident at once (slots); 0 disables LoRA")
     max_lora_rank: int = Field(64, ge=1, le=64)
-
-    def resolved_device(self) -> torch.device:
-        if self.device == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        return torch.device(self.device)
-
-    def resolved_dtype(self, device: torch.device) -> torch.dtype:
-        if self.dtype == "auto":
-            return torch.bfloat16 if device.type == "cuda" else torch.float32
-        return _DTYPES[self.dtype]
-
-    def kv_budget_bytes(self, device: torch.device) -> int:
-        if self.kv_cache_memory_mb is not None:
-            return self.kv_cache_memory_mb << 20
-        if device.type == "cuda":
-            free, _ = torch.cuda.mem_get_info(device)
-            return int(free * 0.6)
-        return 1 << 30

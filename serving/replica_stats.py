@@ -11,7 +11,12 @@ from __future__ import annotations
 
 import threading
 
-from worker.stats import EngineStats
+from protocol.stats import EngineStats
+
+# A replica whose forward passes fail this many times in a row reports unhealthy (Serve replaces it),
+# and routers rank it behind every healthy one: one failure can be a single request's fault, a run of
+# them is the replica's.
+UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class ReplicaStatsRegistry:

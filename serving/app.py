@@ -1,6 +1,6 @@
 """Builds Loom's Ray Serve applications: engine pools, and the gateway in front of them.
 
-``loom serve`` uses these to deploy on a local Ray; KubeRay's RayService imports ``loom.app:build_app``
+``loom serve`` uses these to deploy on a local Ray; KubeRay's RayService imports ``serving.app:build_app``
 (``serveConfigV2.applications[].import_path``) with the same settings from environment variables.
 """
 
@@ -12,11 +12,12 @@ from typing import Any
 from pydantic import BaseModel, Field
 from ray import serve
 
-from gateway.serve_ingress import gateway_deployment
 from gateway.settings import GatewaySettings
+from protocol.engine_config import EngineConfig
+from serving.ingress import gateway_deployment
+from serving.replica import engine_deployment
 from tenancy import TenancySettings
 from tenancy.models import SHARED_POOL
-from worker.api import EngineConfig, engine_deployment
 
 
 class PoolSpec(BaseModel):
@@ -53,7 +54,7 @@ def engine_app(pool: PoolSpec) -> serve.Application:
     )
 
 
-def tokenizer_path(pool: PoolSpec) -> str | None:
+def model_path(pool: PoolSpec) -> str | None:
     return str(Path(pool.engine.model_path).resolve()) if pool.engine.model_path else None
 
 
@@ -79,7 +80,7 @@ def gateway_app(
         gateway,
         portable_tenancy(tenancy),
         {p.name: engine_app(p) for p in pools},
-        {p.name: tokenizer_path(p) for p in pools},
+        {p.name: model_path(p) for p in pools},
         num_replicas=replicas,
         resources=resources,
     )

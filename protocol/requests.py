@@ -6,8 +6,8 @@ import enum
 from dataclasses import dataclass, field
 
 from common import Priority
-from worker.limits import LIMITS, sampling_violations
-from worker.lora import LoraRequest
+from protocol.adapters import LoraRequest
+from protocol.limits import LIMITS, sampling_violations
 
 
 class FinishReason(enum.StrEnum):
@@ -27,6 +27,10 @@ class InvalidRequestError(ValueError):
 
     def __reduce__(self) -> tuple[type, tuple[str, str]]:  # crosses process boundaries (Ray) intact
         return (type(self), (self.field, self.detail))
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread is not running (stopped, or crashed): the replica cannot serve."""
 
 
 @dataclass(frozen=True)

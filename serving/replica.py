@@ -9,18 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
-from worker.async_engine import AsyncEngine, EngineDeadError
-from worker.engine import EngineConfig, LLMEngine
-from worker.request import GenerationRequest, RequestOutput
-from worker.serve_router import ROUTER_CLASS
-from worker.stats import EngineStats
+from protocol.engine_config import EngineConfig
+from protocol.model_info import ModelInfo
+from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
+from protocol.stats import EngineStats
+from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
+from serving.router import ROUTER_CLASS
+from worker.api import AsyncEngine, LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -29,27 +30,15 @@ log = logging.getLogger(__name__)
 # stuck behind a backlog of batch work that Serve is holding back.
 MAX_ONGOING_REQUESTS = 4096
 ROUTING_STATS_PERIOD_S = 1.0
-# A replica whose forward passes fail this many times in a row reports unhealthy (Serve replaces it);
-# one failure can be a single request's fault, a run of them is the replica's.
-UNHEALTHY_AFTER_FAILED_STEPS = 3
 
 
 class EngineReplica:
     """One engine replica (a Ray actor managed by Serve)."""
 
-    def __init__(self, engine_config: dict[str, Any], pool: str) -> None:
-        config = EngineConfig(**engine_config)
+    def __init__(self, engine_config: EngineConfig, pool: str) -> None:
         self.pool = pool
-        self.engine = AsyncEngine(LLMEngine(config)).start()
-        core = self.engine.engine
-        self.info = {
-            "model": core.model_name,
-            "context_length": core.max_model_len,
-            "vocab_size": core.model_config.vocab_size,
-            "pool": pool,
-            "device": str(core.device),
-            "pid": os.getpid(),
-        }
+        self.engine = AsyncEngine(LLMEngine(engine_config)).start()
+        self.info = self.engine.engine.model_info(pool)
         log.info("engine replica ready: %s", self.info)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
@@ -58,8 +47,8 @@ class EngineReplica:
             async for out in stream:
                 yield out
 
-    async def model_info(self) -> dict[str, Any]:
-        return dict(self.info)
+    async def model_info(self) -> ModelInfo:
+        return self.info
 
     async def stats(self) -> EngineStats:
         return self.engine.stats()
@@ -131,4 +120,4 @@ def engine_deployment(
     else:
         options["num_replicas"] = num_replicas
     deployment = serve.deployment(EngineReplica).options(**options)
-    return deployment.bind(engine_config.model_dump(), pool)
+    return deployment.bind(engine_config, pool)

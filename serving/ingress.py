@@ -12,13 +12,11 @@ from typing import Any
 from urllib.parse import urlparse
 
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
-from gateway.catalog import ModelCatalog
-from gateway.pools import ServeEnginePool
-from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
-from tenancy import Tenancy, TenancySettings
-from worker.api import load_tokenizer, process_registry
+from serving.bootstrap import RunningGateway, serve_route, start_gateway
+from tenancy import TenancySettings
 
 log = logging.getLogger(__name__)
 
@@ -26,41 +24,34 @@ log = logging.getLogger(__name__)
 class GatewayIngress:
     async def __init__(
         self,
-        gateway_settings: dict[str, Any],
-        tenancy_settings: dict[str, Any],
-        pools: dict[str, Any],
-        tokenizer_paths: dict[str, str | None],  # pool -> model path (None: the embedded model)
+        gateway_settings: GatewaySettings,
+        tenancy_settings: dict[str, Any],  # TenancySettings without its secrets (see gateway_deployment)
+        pools: dict[str, DeploymentHandle],
+        model_paths: dict[str, str | None],  # pool -> model path (None: the embedded model)
     ) -> None:
-        self.tenancy = Tenancy.from_settings(TenancySettings(**tenancy_settings))
-        await self.tenancy.start()
-        catalog = await ModelCatalog.build(
-            [
-                (ServeEnginePool(h, name, process_registry()), load_tokenizer(tokenizer_paths[name]))
-                for name, h in pools.items()
-            ]
-        )
-        self.server = await GatewayServer(GatewaySettings(**gateway_settings), self.tenancy, catalog).start()
+        tenancy = TenancySettings(**tenancy_settings)  # this replica's environment supplies the secrets
+        routes = [serve_route(h, name, model_paths[name]) for name, h in pools.items()]
+        self.gateway: RunningGateway = await start_gateway(gateway_settings, tenancy, routes)
 
     async def address(self) -> str:
-        return self.server.address
+        return self.gateway.server.address
 
     async def http_address(self) -> str | None:
-        return self.server.http_address
+        return self.gateway.server.http_address
 
     def check_health(self) -> None:
-        if self.server.port is None:
+        if self.gateway.server.port is None:
             raise RuntimeError("the gRPC server is not running")
 
     async def __del__(self) -> None:
-        await self.server.stop()
-        await self.tenancy.stop()
+        await self.gateway.stop()
 
 
 def gateway_deployment(
     gateway_settings: GatewaySettings,
     tenancy_settings: TenancySettings,
-    pools: dict[str, Any],
-    tokenizer_paths: dict[str, str | None],
+    pools: dict[str, serve.Application],
+    model_paths: dict[str, str | None],
     *,
     name: str = "gateway",
     num_replicas: int = 1,
@@ -84,13 +75,9 @@ def gateway_deployment(
         ray_actor_options=actor_options,
         graceful_shutdown_timeout_s=gateway_settings.drain_grace_s + 5,
     )
-    return deployment.bind(
-        gateway_settings.model_dump(),
-        # Secrets never travel in deployment arguments: replicas read them from their environment.
-        tenancy_settings.model_dump(mode="json", exclude=_secrets(tenancy_settings)),
-        pools,
-        tokenizer_paths,
-    )
+    # Tenancy's secrets stay out (see _secrets): each replica's environment supplies them.
+    public = tenancy_settings.model_dump(mode="json", exclude=_secrets(tenancy_settings))
+    return deployment.bind(gateway_settings, public, pools, model_paths)
 
 
 def _secrets(settings: TenancySettings) -> set[str]:

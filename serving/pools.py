@@ -1,7 +1,7 @@
-"""Where the gateway sends a request: a pool of engine replicas serving one model.
+"""The engine pools the gateway dispatches into (the ``gateway.engine_pool.EnginePool`` seam).
 
 ``ServeEnginePool`` dispatches into a Ray Serve deployment of engine replicas through a streaming
-DeploymentHandle (the production path; Loom's request router picks the replica).
+``DeploymentHandle`` (the production path; Loom's request router picks the replica).
 ``LocalEnginePool`` runs an engine in the gateway's own process (single-process tools and benchmarks).
 Both stream ``RequestOutput`` deltas and stop the request in the engine when the caller goes away.
 """
@@ -13,44 +13,23 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
-from typing import Any, Protocol
 
+import ray.exceptions
+from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
+from ray.serve.handle import DeploymentHandle
+
+from gateway.engine_pool import WorkerLostError
+from protocol.model_info import ModelInfo
+from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput
+from protocol.stats import EngineStats
+from serving.replica_stats import ReplicaStatsRegistry
 from tenancy.models import SHARED_POOL
-from worker.api import (
-    AsyncEngine,
-    EngineDeadError,
-    EngineStats,
-    FinishReason,
-    GenerationRequest,
-    ReplicaStatsRegistry,
-    RequestOutput,
-)
+from worker.api import AsyncEngine
 
 log = logging.getLogger(__name__)
 
-
-class WorkerLostError(RuntimeError):
-    """The replica serving a request died or became unreachable."""
-
-
-@dataclass(frozen=True)
-class PoolModel:
-    """What a pool serves, as reported by its replicas."""
-
-    model: str
-    context_length: int
-    vocab_size: int
-
-
-class EnginePool(Protocol):
-    name: str
-
-    async def describe(self) -> PoolModel: ...
-
-    def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
-
-    def replica_stats(self) -> dict[str, EngineStats]: ...
+# What losing a replica looks like from a DeploymentHandle's stream.
+_LOST = (ray.exceptions.RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, EngineDeadError)
 
 
 class LocalEnginePool:
@@ -58,9 +37,8 @@ class LocalEnginePool:
         self.name = name
         self.engine = engine
 
-    async def describe(self) -> PoolModel:
-        core = self.engine.engine
-        return PoolModel(core.model_name, core.max_model_len, core.model_config.vocab_size)
+    async def describe(self) -> ModelInfo:
+        return self.engine.engine.model_info(pool=self.name)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         # Closing this generator closes the engine's stream at once, which aborts the request.
@@ -73,7 +51,7 @@ class LocalEnginePool:
 
 
 class ServeEnginePool:
-    """A Ray Serve deployment of ``worker.serve_engine.EngineReplica``."""
+    """A Ray Serve deployment of ``serving.replica.EngineReplica``."""
 
     # A replica lost (or whose engine died) before the first delta is retried on another replica (or
     # its replacement); after output has been streamed it is WorkerLostError, which resume.py continues.
@@ -82,27 +60,18 @@ class ServeEnginePool:
     # once elsewhere: the router ranks the replica that failed it last.
     RETRIES_AFTER_ENGINE_ERROR = 1
 
-    def __init__(self, handle: Any, name: str, stats: ReplicaStatsRegistry) -> None:
+    def __init__(self, handle: DeploymentHandle, name: str, stats: ReplicaStatsRegistry) -> None:
         self.name = name
         self._stats = stats
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
         self._stream = handle.options(stream=True)
 
-    async def describe(self) -> PoolModel:
-        info = await self._handle.model_info.remote()
-        return PoolModel(info["model"], int(info["context_length"]), int(info["vocab_size"]))
+    async def describe(self) -> ModelInfo:
+        info: ModelInfo = await self._handle.model_info.remote()
+        return info
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
-        import ray.exceptions
-        from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-
-        lost = (
-            ray.exceptions.RayActorError,
-            ReplicaUnavailableError,
-            DeploymentUnavailableError,
-            EngineDeadError,
-        )
         losses = errors = 0
         current = request
         while True:
@@ -125,7 +94,7 @@ class ServeEnginePool:
                     yield out
                 if not retry:
                     return
-            except lost as exc:
+            except _LOST as exc:
                 if delivered or losses >= self.RETRIES_BEFORE_OUTPUT:
                     log.warning("request %s lost its replica: %s", request.request_id, exc)
                     raise WorkerLostError("the engine replica serving this request was lost") from exc

@@ -1,0 +1,48 @@
+"""The benchmarks' command line: ``python -m loadtest bench|loadtest|soak ...``, which ``loom bench``,
+``loom loadtest`` and ``loom soak`` launch from a source checkout (the benchmarks are not part of the
+installed product; loom/cmd_bench.py)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from loadtest import (
+        bench_admission,
+        bench_engine,
+        bench_gateway,
+        bench_isolation,
+        bench_lora,
+        bench_served,
+        calibrate,
+        loadtest_cli,
+        sim_experiments,
+        soak,
+    )
+
+    parser = argparse.ArgumentParser(prog="loom", description="Loom's benchmarks, load tests and soak.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("bench", help="run a benchmark (results under loadtest/results/)")
+    bench_sub = p.add_subparsers(dest="bench", required=True)
+    bench_engine.register(bench_sub)
+    bench_gateway.register(bench_sub)
+    bench_admission.register(bench_sub)
+    sim_experiments.register(bench_sub)  # loom bench simulate
+    calibrate.register(bench_sub)  # loom bench calibrate
+    bench_lora.register(bench_sub)  # loom bench lora
+    bench_isolation.register(bench_sub)  # loom bench isolation
+    bench_served.register(bench_sub)  # loom bench served
+    loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
+    soak.register(sub)  # loom soak
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        code = args.func(args)
+    except KeyboardInterrupt:
+        code = 130
+    sys.exit(code or 0)
