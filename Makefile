@@ -12,8 +12,9 @@ PROMPT ?= Write a haiku about weaving.
 BIN := $(VENV)/bin
 VULTURE_PATHS := common protocol kernels worker tenancy gateway serving loom loadtest tests vulture_whitelist.py
 STAMP := $(VENV)/.loom-installed
+CPP_SOURCES := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 
-.PHONY: install run generate-local test lint fmt bench-engine peer-vllm clean
+.PHONY: install run generate-local test test-fast lint fmt bench-engine peer-vllm clean
 
 install: $(STAMP)
 
@@ -38,16 +39,25 @@ generate-local: install
 test: lint
 	$(BIN)/python -m pytest -q
 
-# Style, the layer contracts of docs/architecture.md (import-linter, pyproject.toml) and dead code.
+# The unit tier: no Ray, no served model, no subprocesses (under 3 minutes on 2 cores); `make test`
+# runs it too, with everything else.
+test-fast: install
+	$(BIN)/python -m pytest -q -m "not slow"
+
+# Style, types (mypy, strict on the product), the layer contracts of docs/architecture.md
+# (import-linter, pyproject.toml), dead code, and the C++ kernels' format. pre-commit runs the same.
 lint: install
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 	$(BIN)/lint-imports
 	$(BIN)/vulture $(VULTURE_PATHS) --min-confidence 60
+	$(BIN)/clang-format --dry-run --Werror $(CPP_SOURCES)
 
 fmt: install
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
+	$(BIN)/clang-format -i $(CPP_SOURCES)
 
 bench-engine: install
 	$(BIN)/loom bench engine

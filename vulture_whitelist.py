@@ -11,7 +11,7 @@ choose_replicas  # serving.router.LoomRequestRouter
 on_request_routed  # serving.router.LoomRequestRouter
 
 # grpc.aio calls this on server interceptors.
-intercept_service  # gateway.auth.AuthInterceptor
+intercept_service  # gateway.grpc.auth.AuthInterceptor
 
 # KubeRay's RayService imports it (serveConfigV2.applications[].import_path = "serving.app:build_app").
 build_app  # serving.app
@@ -31,6 +31,13 @@ _mix  # loadtest.workload
 _no_sweep  # loadtest.workload
 _no_driver  # loadtest.workload
 
+# pytest hooks, called by pytest.
+pytest_configure  # tests/conftest.py
+pytest_collection_modifyitems  # tests/conftest.py
+
+# FastAPI reads an application's openapi (gateway/http/app.py documents the hand-read bodies there).
+openapi  # gateway.http.app
+
 # pytest fixtures requested by name.
 ray_serve  # tests/gateway/conftest.py
 
@@ -39,11 +46,14 @@ updated_at  # tenancy.models.Tenant
 added_at  # tenancy.models.AdapterRecord
 
 # FastAPI routes (registered by decorator) and uvicorn attributes the HTTP front sets.
-chat_completions  # gateway.http_front
+chat_completions  # gateway.http.app
+completions  # gateway.http.app
+models  # gateway.http.app
+health  # gateway.http.app
 install_signal_handlers  # uvicorn.Server
 should_exit  # uvicorn.Server
 
-# Fields of OpenAI response bodies (gateway/openai_schema.py): serialized for clients, never read here.
+# Fields of OpenAI response bodies (gateway/http/schema.py): serialized for clients, never read here.
 cached_tokens
 prompt_tokens_details
 text_offset

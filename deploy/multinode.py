@@ -468,7 +468,7 @@ class Stream:
 
 
 async def run_stream(client: Any, model: str, stream: Stream, max_tokens: int) -> Stream:
-    from gateway.api import pb
+    from gateway.grpc.stubs import pb
 
     request = pb.GenerateRequest(
         model=model,
@@ -579,7 +579,7 @@ async def run(args: argparse.Namespace, cluster: LocalCluster, progress: dict[st
     ) == sorted(n.name for n in engines)
     log(f"Serve application RUNNING ({t['deploy_to_running']:.1f} s)")
 
-    from gateway.client import LoomClient
+    from gateway.grpc.client import LoomClient
 
     address = f"127.0.0.1:{p.gateway_port}"
     ca = p.tls_ca.read_bytes()

@@ -3,7 +3,7 @@
 A refusal is one :class:`GatewayError`: a :class:`ErrorKind`, a precise message, and what a client
 needs to act on it (each bad field, the quota that refused and how long to wait). Each front maps the
 kind to its own vocabulary: the gRPC servicer to a status code with rich details
-(gateway/grpc_status.py), the HTTP front to a status and OpenAI's error JSON. The kinds are named after
+(gateway/grpc/status.py), the HTTP front to a status and OpenAI's error JSON. The kinds are named after
 the gRPC codes because those words are precise and well known, but this module imports no gRPC.
 """
 

@@ -20,6 +20,7 @@ import logging
 from collections.abc import AsyncGenerator
 
 from gateway.engine_pool import EnginePool, WorkerLostError
+from protocol.limits import LIMITS
 from protocol.requests import GenerationRequest, RequestOutput
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ async def resumable_stream(
         sampling = dataclasses.replace(
             request.sampling,
             max_tokens=remaining,
-            seed=None if seed is None else (seed * 1_000_003 + len(delivered)) % 2**63,
+            seed=None if seed is None else (seed * 1_000_003 + len(delivered)) % LIMITS.seed_bound,
         )
         current = dataclasses.replace(
             request,

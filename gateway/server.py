@@ -1,8 +1,8 @@
 """The grpc.aio server: Inference + health + reflection, optional TLS/mTLS, metrics, graceful drain.
 
-The same class runs inside ``loom serve`` and inside a Ray Serve replica (gateway/serve_ingress.py):
-one code path however the gateway is deployed. It owns the :class:`RequestPath` that the gRPC servicer
-adapts (``server.path``), so another front in the same process serves through the very same path.
+The same class runs inside ``loom serve`` and inside a Ray Serve replica (serving/ingress.py): one code
+path however the gateway is deployed. It owns the :class:`RequestPath` that both fronts adapt
+(gateway/grpc/, gateway/http/), so every rule is the same whichever front a client calls.
 """
 
 from __future__ import annotations
@@ -12,16 +12,13 @@ import logging
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health
 
-from gateway.api import SERVICE_NAME, pb_grpc
-from gateway.auth import AuthInterceptor
 from gateway.catalog import ModelCatalog
-from gateway.http_front import HttpFront
+from gateway.grpc.server import build_server, set_health
+from gateway.http.server import HttpFront
 from gateway.metrics import ENGINE, ReplicaRow, start_metrics_server
 from gateway.request_path import RequestPath
-from gateway.service import InferenceService
 from gateway.settings import GatewaySettings
 from gateway.tls import CertificateReloader, TlsFiles
 from tenancy import Tenancy
@@ -67,26 +64,7 @@ class GatewayServer:
 
     async def start(self) -> GatewayServer:
         s = self.settings
-        server = grpc.aio.server(
-            interceptors=[AuthInterceptor(self.path.authenticate)],
-            maximum_concurrent_rpcs=s.max_concurrent_streams,
-            options=[
-                ("grpc.so_reuseport", 0),
-                ("grpc.max_concurrent_streams", s.max_streams_per_connection),
-                ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
-                ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),
-                ("grpc.keepalive_permit_without_calls", 1),
-                ("grpc.max_connection_idle_ms", int(s.idle_timeout_s * 1000)),
-                # No connection outlives its longest allowed stream (plus a grace to finish it).
-                ("grpc.max_connection_age_ms", int(s.max_stream_duration_s * 1000)),
-                ("grpc.max_connection_age_grace_ms", int(s.max_stream_duration_s * 1000)),
-                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-            ],
-        )
-        pb_grpc.add_InferenceServicer_to_server(InferenceService(self.path), server)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        health_name = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
-        reflection.enable_server_reflection([SERVICE_NAME, health_name, reflection.SERVICE_NAME], server)
+        server = build_server(self.path, s, self._health)
         target = f"{s.host}:{s.port}"
         if s.tls_cert_file and s.tls_key_file:
             files = TlsFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
@@ -103,7 +81,7 @@ class GatewayServer:
             self._server = server
             if s.http_port is not None:
                 await self.http.start(s.host, s.http_port)
-            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            await set_health(self._health, serving=True)
             if self.tls is not None and s.tls_reload_interval_s > 0:
                 self._tls_watch = asyncio.create_task(self._watch_tls(s.tls_reload_interval_s))
         except BaseException:
@@ -132,10 +110,6 @@ class GatewayServer:
             self._metrics_server.server_close()
             self._metrics_server = None
 
-    async def _set_health(self, status: int) -> None:
-        for service in ("", SERVICE_NAME):
-            await self._health.set(service, status)
-
     async def wait(self) -> None:
         if self._server is not None:
             await self._server.wait_for_termination()
@@ -146,7 +120,7 @@ class GatewayServer:
             return
         grace = self.settings.drain_grace_s if grace_s is None else grace_s
         self.path.draining = True
-        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await set_health(self._health, serving=False)
         log.info("gateway draining (grace %.0f s)", grace)
         # Refuse new calls ourselves first (UNAVAILABLE, retryable) while clients see NOT_SERVING and
         # move away: once the listeners close, gRPC cancels a call that raced the close (CANCELLED,

@@ -84,4 +84,7 @@ class ClientSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOM_", extra="ignore")
 
     api_key: str | None = Field(None, description="a tenant's API key")
-    address: str = Field("127.0.0.1:50051", description="the gateway's host:port")
+    address: str = Field(
+        f"{GatewaySettings.model_fields['host'].default}:{GatewaySettings.model_fields['port'].default}",
+        description="the gateway's host:port",
+    )

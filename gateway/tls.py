@@ -65,7 +65,7 @@ class TlsFiles:
     def signature(self) -> _Signature:
         """What identifies the files' current contents without reading them (stat follows the
         kubelet's symlinks, so a swap shows as a new inode)."""
-        out = []
+        out: list[tuple[int, int, int, int] | None] = []
         for path, _ in self._paths():
             try:
                 st = os.stat(path)

@@ -1,6 +1,6 @@
 """Paged attention on CPU with the compiled kernel (docs/adr/0001-compiled-cpu-decode-attention.md).
 
-Every query row of the step goes to ``paged_decode`` from :mod:`kernels.cpu_kernels`, which attends
+Every query row of the step goes to ``paged_attention`` from :mod:`kernels.cpu_kernels`, which attends
 one row at a time over a prefix of its sequence's keys, read in place from the paged cache. A decode
 token attends to all of its sequence's keys; row i of a prefill chunk after ``ctx`` cached tokens to
 the first ``ctx + i + 1``, which is causal attention. Chunks used to go through torch's SDPA with an
@@ -64,7 +64,7 @@ def paged_attention_cpu(
     plan = meta.cached_plan("cpu", lambda: CpuPlan.build(meta))
     result = torch.empty(q.shape, dtype=q.dtype) if out is None or not out.is_contiguous() else out
     if plan.rows.numel():
-        compiled.paged_decode(
+        compiled.paged_attention(
             q.contiguous(),
             k_cache.contiguous(),
             v_cache.contiguous(),

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [
     Path(__file__).parent / "csrc" / name
     for name in (
-        "paged_decode_cpu.cpp",
+        "paged_attention_cpu.cpp",
         "kv_write_cpu.cpp",
         "lora_cpu.cpp",
         "layer_ops_cpu.cpp",
@@ -76,7 +76,7 @@ def _build() -> ModuleType | None:
 
         isa = torch.backends.cpu.get_cpu_capability()
         started = time.monotonic()
-        module = load(
+        module: ModuleType = load(
             name=f"loom_cpu_kernels_{isa.lower()}",
             sources=[str(s) for s in _SOURCES],
             extra_cflags=["-O3", "-fopenmp", "-ffast-math", *_FLAGS.get(isa, [])],

@@ -65,9 +65,9 @@ def lora_shrink(x: torch.Tensor, a: torch.Tensor, batch: LoraBatch) -> torch.Ten
         from kernels.triton_lora import lora_shrink_triton
 
         return lora_shrink_triton(x, a, batch.token_slots)
-    if _compiled_cpu(x, a) is not None and x.stride(-1) == 1:
+    if (compiled := _compiled_cpu(x, a)) is not None and x.stride(-1) == 1:
         h = torch.zeros((x.shape[0], a.shape[1]), dtype=torch.float32)
-        _compiled_cpu(x, a).lora_shrink(x, a, batch.token_slots, batch.order, _ranks(batch, a.shape), h)
+        compiled.lora_shrink(x, a, batch.token_slots, batch.order, _ranks(batch, a.shape), h)
         return h
     return lora_shrink_ref(x, a, batch)
 
@@ -84,9 +84,9 @@ def lora_expand(
         from kernels.triton_lora import lora_expand_triton
 
         return lora_expand_triton(y, h, b, scales, batch.token_slots)
-    if _compiled_cpu(y, b) is not None and y.stride(-1) == 1 and h.is_contiguous():
+    if (compiled := _compiled_cpu(y, b)) is not None and y.stride(-1) == 1 and h.is_contiguous():
         ranks = _ranks(batch, (b.shape[0], b.shape[2]))
-        _compiled_cpu(y, b).lora_expand(y, h, b, scales, batch.token_slots, batch.order, ranks)
+        compiled.lora_expand(y, h, b, scales, batch.token_slots, batch.order, ranks)
         return y
     return lora_expand_ref(y, h, b, scales, batch)
 

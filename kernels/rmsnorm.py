@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
+from typing import overload
+
 import torch
 
 from kernels.cpu_kernels import cpu_kernels_for
 from kernels.dispatch import use_triton
+
+
+@overload
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: None = None) -> torch.Tensor: ...
+
+
+@overload
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 def rms_norm(

@@ -26,7 +26,7 @@ def interpreting() -> bool:
 
 
 def next_pow2(n: int) -> int:
-    return triton.next_power_of_2(max(int(n), 1))
+    return int(triton.next_power_of_2(max(int(n), 1)))
 
 
 def num_programs_hint(device: torch.device) -> int:

@@ -55,8 +55,8 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     import ray
     from ray import serve
 
-    from gateway.api import pb
-    from gateway.client import LoomClient
+    from gateway.grpc.client import LoomClient
+    from gateway.grpc.stubs import pb
     from gateway.settings import GatewaySettings
     from loadtest.tiny_model import random_checkpoint, save_hf_dir
     from protocol.engine_config import EngineConfig

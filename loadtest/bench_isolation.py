@@ -68,7 +68,7 @@ async def _flood(
     import grpc
     import httpx
 
-    from gateway.api import pb, pb_grpc
+    from gateway.grpc.stubs import pb, pb_grpc
 
     rng = random.Random(1)
     alphabet = string.ascii_letters + string.digits + " .,"
@@ -129,7 +129,7 @@ async def _flood(
 
 
 async def _stream_for(client: Any, seconds: float, streams: int, max_tokens: int) -> dict[str, Any]:
-    from gateway.api import pb
+    from gateway.grpc.stubs import pb
 
     gaps: list[float] = []
     tokens = 0
@@ -175,7 +175,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
     import ray
     from ray import serve
 
-    from gateway.client import LoomClient
+    from gateway.grpc.client import LoomClient
     from gateway.settings import GatewaySettings
     from loadtest.tiny_model import random_checkpoint, save_hf_dir
     from protocol.engine_config import EngineConfig

@@ -2,7 +2,7 @@
 
 The runner only needs "stream this request, tell me each chunk's token count as it arrives, or
 raise with a status code", so that is the whole interface (:class:`Driver`). The gRPC driver wraps
-``gateway.client.LoomClient``; the HTTP driver streams the OpenAI-compatible front's
+``gateway.grpc.client.LoomClient``; the HTTP driver streams the OpenAI-compatible front's
 ``/v1/completions`` (``/v1/chat/completions`` for a chat workload) as server-sent events and maps
 HTTP statuses and in-stream error events to the same gRPC code names (429 ``RESOURCE_EXHAUSTED``,
 401 ``UNAUTHENTICATED``...), so reports stay comparable across fronts. :class:`PerTenantDriver`
@@ -35,8 +35,8 @@ import grpc
 import httpx
 
 from common import Priority
-from gateway.api import pb
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
+from gateway.grpc.stubs import pb
 
 
 class NotLoopbackError(ValueError):
@@ -214,7 +214,7 @@ _PB_PRIORITY: dict[Priority | None, int] = {
 # ---- the OpenAI-compatible HTTP front ------------------------------------------------------------
 
 # HTTP status -> the gRPC code name the report counts: the inverse of the gateway's mapping
-# (gateway/http_front.py), plus what a proxy or another server might answer.
+# (gateway/http/), plus what a proxy or another server might answer.
 HTTP_CODES: dict[int, str] = {
     400: "INVALID_ARGUMENT",
     401: "UNAUTHENTICATED",

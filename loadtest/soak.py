@@ -41,7 +41,7 @@ import httpx
 import redis
 
 from common import Priority
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.machine import cpu_line
 from loadtest.soak_fuzz import Target, fuzz
 from loadtest.soak_server import SECRET, ServedLoom, replica_gauges, rss_mb

@@ -30,7 +30,7 @@ from typing import Any
 import grpc
 import httpx
 
-from gateway.api import pb
+from gateway.grpc.stubs import pb
 
 GENERATE = "/loom.v1.Inference/Generate"
 

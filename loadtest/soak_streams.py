@@ -21,8 +21,8 @@ from typing import Any
 import grpc
 import httpx
 
-from gateway.api import pb
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
+from gateway.grpc.stubs import pb
 from protocol.engine_config import EngineConfig
 from protocol.model_files import load_tokenizer
 from protocol.requests import GenerationRequest, SamplingParams

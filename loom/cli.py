@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     for module_name in _COMMAND_MODULES:
         module = importlib.import_module(module_name)
-        register: Callable[[argparse._SubParsersAction], None] = module.register
+        register: Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], None] = module.register
         register(sub)
     return parser
 

@@ -23,8 +23,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from common import Priority
 from tenancy.errors import StoreUnavailableError, TenancyError
-from tenancy.models import AdapterRecord, Priority, Tenant, TenantStatus, parse_tenant, utcnow
+from tenancy.models import AdapterRecord, ApiKey, Tenant, TenantStatus, parse_tenant, utcnow
 from tenancy.settings import TenancySettings
 from tenancy.store import TenantAdmin, default_actor
 from tenancy.store_file import FileTenantStore
@@ -168,7 +169,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     p.add_argument("--limit", type=int, default=20)
 
 
-def register(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser = subparsers.add_parser(
         "admin",
         help="manage tenants, API keys and usage",
@@ -321,9 +322,9 @@ def _adapter(store: TenantAdmin, args: argparse.Namespace, actor: str, out: _Out
     )
 
 
-def _key_json(key: Any) -> dict[str, Any]:
+def _key_json(key: ApiKey) -> dict[str, Any]:
     now = utcnow()
-    data = key.model_dump(mode="json", exclude={"digest", "secret_id"})
+    data: dict[str, Any] = key.model_dump(mode="json", exclude={"digest", "secret_id"})
     data["state"] = key.state_at(now)
     return data
 

@@ -29,7 +29,7 @@ def checkout() -> Path | None:
 LAUNCHED = frozenset(_COMMANDS)
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Listed in ``loom --help``; ``loom.cli.main`` hands their arguments to :func:`launch` unparsed."""
     for name, help_text in _COMMANDS.items():
         sub.add_parser(name, help=help_text, add_help=False)

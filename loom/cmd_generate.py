@@ -10,12 +10,13 @@ import argparse
 import asyncio
 import sys
 import time
+from typing import Any
 
 from gateway.settings import ClientSettings
 from protocol.engine_config import EngineConfig
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("generate", help="stream a completion for PROMPT")
     p.add_argument(
         "prompt", help="the prompt: a user message (the model's chat template applies), or --raw text"
@@ -56,9 +57,9 @@ def run(args: argparse.Namespace) -> int:
 async def _run_remote(args: argparse.Namespace) -> int:
     import grpc
 
-    from gateway.client import LoomClient
+    from gateway.grpc.client import LoomClient
 
-    fields: dict[str, object] = {
+    fields: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "stop": args.stop,

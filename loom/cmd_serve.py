@@ -24,14 +24,27 @@ if TYPE_CHECKING:
 log = logging.getLogger("loom.serve")
 
 
-def register(sub: argparse._SubParsersAction) -> None:
+def _default(field: str) -> object:
+    from gateway.settings import GatewaySettings
+
+    return GatewaySettings.model_fields[field].default
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("serve", help="serve the gRPC API: Ray Serve engine replicas behind the gateway")
     # Unset flags fall back to GatewaySettings (LOOM_GATEWAY_* variables, then its defaults).
-    p.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
-    p.add_argument("--port", type=int, default=None, help="gRPC port (default 50051)")
-    p.add_argument("--http-port", type=int, default=None, help="OpenAI-compatible HTTP port (default 8000)")
+    p.add_argument("--host", default=None, help=f"listen address (default {_default('host')})")
+    p.add_argument("--port", type=int, default=None, help=f"gRPC port (default {_default('port')})")
+    p.add_argument(
+        "--http-port",
+        type=int,
+        default=None,
+        help=f"OpenAI-compatible HTTP port (default {_default('http_port')})",
+    )
     p.add_argument("--no-http", action="store_true", help="serve gRPC only, no OpenAI-compatible HTTP front")
-    p.add_argument("--metrics-port", type=int, default=None, help="Prometheus port (default 9464)")
+    p.add_argument(
+        "--metrics-port", type=int, default=None, help=f"Prometheus port (default {_default('metrics_port')})"
+    )
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded model)")
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in the shared pool")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale the shared pool up to this many")

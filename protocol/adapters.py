@@ -104,7 +104,8 @@ def check_config(cfg: dict[str, Any], file: Path, max_rank: int) -> tuple[int, f
             problems.append(f"{name}={cfg.get(name)!r} is not supported")
     if problems:
         raise AdapterError(f"{file}: " + "; ".join(problems))
-    return int(rank), float(alpha), bool(cfg.get("use_rslora"))
+    assert isinstance(rank, int) and isinstance(alpha, int | float)  # checked above
+    return rank, float(alpha), bool(cfg.get("use_rslora"))
 
 
 def _weight_shapes(path: Path) -> dict[tuple[int, str, str], tuple[int, ...]]:

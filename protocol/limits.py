@@ -52,7 +52,7 @@ def sampling_violations(
     if not isinstance(top_k, int) or not (0 <= top_k <= limits.max_top_k):
         bad.append(("top_k", f"must be an integer from 0 (off) to {limits.max_top_k}, got {top_k!r}"))
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < limits.seed_bound):
-        bad.append(("seed", f"must be in [0, 2**63), got {seed!r}"))
+        bad.append(("seed", f"must be in [0, 2**{limits.seed_bound.bit_length() - 1}), got {seed!r}"))
     if len(stop) > limits.max_stop_strings:
         bad.append(("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}"))
     for i, s in enumerate(stop):

@@ -93,7 +93,7 @@ def gguf_metadata(path: Path) -> tuple[Any, str, ModelConfig, Tokenizer]:
             f"unsupported GGUF architecture {arch!r}; Loom runs llama, mistral, qwen2"
         )
 
-    def meta(key: str, default: object = None) -> object:
+    def meta(key: str, default: Any = None) -> Any:
         return fields.get(f"{arch}.{key}", default)
 
     tokenizer = Tokenizer.from_gguf_fields(fields)

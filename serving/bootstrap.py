@@ -15,6 +15,7 @@ import os
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from ray.serve import Application
 from ray.serve.handle import DeploymentHandle
@@ -37,7 +38,7 @@ class PoolRoute:
     model_path: str | Path | None  # a .gguf file or a Hugging Face directory; None: the embedded model
 
 
-def serve_route(handle: DeploymentHandle, pool: str, model_path: str | Path | None) -> PoolRoute:
+def serve_route(handle: DeploymentHandle[Any], pool: str, model_path: str | Path | None) -> PoolRoute:
     """A route into a Serve deployment of engine replicas (serving/replica.py)."""
     return PoolRoute(ServeEnginePool(handle, pool, process_registry()), model_path)
 
@@ -105,7 +106,7 @@ def start_serve() -> None:
     serve.start(proxy_location=ProxyLocation.Disabled, http_options={"host": "127.0.0.1", "port": 0})
 
 
-def deploy(app: Application, name: str) -> DeploymentHandle:
+def deploy(app: Application, name: str) -> DeploymentHandle[Any]:
     """Run a Serve application (blocking until its replicas are up) and return its ingress handle."""
     from ray import serve
 
@@ -118,5 +119,5 @@ def shutdown() -> None:
     from ray import serve
 
     with contextlib.suppress(Exception):
-        serve.shutdown()
+        serve.shutdown()  # type: ignore[no-untyped-call]
     ray.shutdown()

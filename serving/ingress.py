@@ -22,11 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class GatewayIngress:
-    async def __init__(
+    async def __init__(  # type: ignore[misc]  # Serve awaits an async constructor
         self,
         gateway_settings: GatewaySettings,
         tenancy_settings: dict[str, Any],  # TenancySettings without its secrets (see gateway_deployment)
-        pools: dict[str, DeploymentHandle],
+        pools: dict[str, DeploymentHandle[Any]],
         model_paths: dict[str, str | None],  # pool -> model path (None: the embedded model)
     ) -> None:
         tenancy = TenancySettings(**tenancy_settings)  # this replica's environment supplies the secrets
@@ -69,12 +69,12 @@ def gateway_deployment(
         actor_options["resources"] = resources
     if runtime_env:
         actor_options["runtime_env"] = runtime_env
-    deployment = serve.deployment(GatewayIngress).options(
+    deployment: serve.Deployment = serve.deployment(
         name=name,
         num_replicas=num_replicas,
         ray_actor_options=actor_options,
         graceful_shutdown_timeout_s=gateway_settings.drain_grace_s + 5,
-    )
+    )(GatewayIngress)
     # Tenancy's secrets stay out (see _secrets): each replica's environment supplies them.
     public = tenancy_settings.model_dump(mode="json", exclude=_secrets(tenancy_settings))
     return deployment.bind(gateway_settings, public, pools, model_paths)

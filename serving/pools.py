@@ -13,10 +13,11 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator
+from typing import Any, cast
 
 import ray.exceptions
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle
+from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from gateway.engine_pool import WorkerLostError
 from protocol.model_info import ModelInfo
@@ -60,7 +61,7 @@ class ServeEnginePool:
     # once elsewhere: the router ranks the replica that failed it last.
     RETRIES_AFTER_ENGINE_ERROR = 1
 
-    def __init__(self, handle: DeploymentHandle, name: str, stats: ReplicaStatsRegistry) -> None:
+    def __init__(self, handle: DeploymentHandle[Any], name: str, stats: ReplicaStatsRegistry) -> None:
         self.name = name
         self._stats = stats
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
@@ -75,7 +76,8 @@ class ServeEnginePool:
         losses = errors = 0
         current = request
         while True:
-            response = self._stream.generate.remote(current)
+            # A handle with stream=True answers a generator (its type cannot say so).
+            response = cast(DeploymentResponseGenerator[RequestOutput], self._stream.generate.remote(current))
             delivered = False
             finished = False
             retry = False
@@ -103,7 +105,7 @@ class ServeEnginePool:
                 log.warning("replica lost before output (%s); retrying request %s", exc, request.request_id)
             finally:
                 if not finished:
-                    response.cancel()  # the replica's generator is cancelled: it aborts the request
+                    response.cancel()  # type: ignore[no-untyped-call]  # the replica's generator is cancelled: it aborts the request
             attempt = losses + errors
             current = dataclasses.replace(
                 request, request_id=f"{request.request_id}#retry{attempt}", retry_of=current.request_id

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from ray import serve
+from ray.serve import Deployment
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 
 from protocol.engine_config import EngineConfig
@@ -102,10 +103,12 @@ def engine_deployment(
         name=name,
         max_ongoing_requests=MAX_ONGOING_REQUESTS,
         ray_actor_options=actor_options,
-        request_router_config=RequestRouterConfig(
-            request_router_class=ROUTER_CLASS,
-            request_routing_stats_period_s=ROUTING_STATS_PERIOD_S,
-            request_routing_stats_timeout_s=5.0,
+        request_router_config=RequestRouterConfig.model_validate(
+            {
+                "request_router_class": ROUTER_CLASS,
+                "request_routing_stats_period_s": ROUTING_STATS_PERIOD_S,
+                "request_routing_stats_timeout_s": 5.0,
+            }
         ),
         health_check_period_s=5.0,
         health_check_timeout_s=30.0,
@@ -119,5 +122,5 @@ def engine_deployment(
         )
     else:
         options["num_replicas"] = num_replicas
-    deployment = serve.deployment(EngineReplica).options(**options)
+    deployment: Deployment = serve.deployment(**options)(EngineReplica)
     return deployment.bind(engine_config, pool)

@@ -153,7 +153,7 @@ class RedisAdmission:
         self._pending_max = s.pending_finish_max
         self._budget_seen: dict[str, _BudgetSeen] = {}
         self._probe_task: asyncio.Task[None] | None = None
-        self._replay_task: asyncio.Task[None] | None = None
+        self._replay_task: asyncio.Task[int] | None = None
         self._owns_client = False
         self._set_mode_gauge()
 
@@ -307,7 +307,7 @@ class RedisAdmission:
         pipe = self._client.pipeline(transaction=False)
         for tid in batch:
             lay = self._layout
-            args = [
+            args: list[Any] = [
                 "sweep",
                 "",
                 _opt(by_id[tid].quotas.tokens_per_minute),
@@ -345,7 +345,7 @@ class RedisAdmission:
         if not self._should_try_redis():
             return self._admit_degraded(tenant, request_id, prompt_tokens, max_tokens)
         q = tenant.quotas
-        args = [
+        args: list[Any] = [
             "admit",
             request_id,
             _opt(q.requests_per_minute),
@@ -439,7 +439,7 @@ class RedisAdmission:
             return self._fallback.renew_sync(tenant, request_id, completion_tokens)
         if not self._should_try_redis():
             return Renewal(False, reason="unavailable")
-        args = [
+        args: list[Any] = [
             "renew",
             request_id,
             _opt(tenant.quotas.max_concurrent),
@@ -525,7 +525,7 @@ class RedisAdmission:
         return FinishResult(recorded=True, deferred=True, backend=self.mode)
 
     async def _eval_finish(self, p: _PendingFinish) -> Any:
-        args = [
+        args: list[Any] = [
             "finish",
             p.request_id,
             p.completion_tokens,

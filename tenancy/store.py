@@ -17,6 +17,7 @@ from typing import Any, Protocol, runtime_checkable
 from pydantic import ValidationError
 
 from tenancy.errors import TenantValidationError
+from tenancy.keys import KeyHasher
 from tenancy.models import (
     ApiKey,
     AuditEntry,
@@ -146,7 +147,7 @@ class SharedAdminCommands:
     """The admin commands both stores implement the same way, on top of their own primitives
     (``get_key``, ``revoke_key``, ``_put_key``, ``_update`` and the ``_hasher``)."""
 
-    _hasher: Any
+    _hasher: KeyHasher
 
     def get_key(self, key_id: str) -> ApiKey:
         raise NotImplementedError

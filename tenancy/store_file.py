@@ -27,6 +27,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from common import Priority
 from tenancy import quota_math as qm
 from tenancy.directory import TenantCatalog, TenantEntry
 from tenancy.errors import (
@@ -41,7 +42,6 @@ from tenancy.models import (
     AuditEntry,
     DailyUsage,
     IssuedKey,
-    Priority,
     Tenant,
     describe_validation_error,
     parse_tenant,
@@ -410,6 +410,9 @@ def _period(entry: dict[str, Any], where: str) -> tuple[str, str]:
 
 def _parse_state(data: Any) -> dict[str, Any]:
     data = _mapping(data, "top level")
+    usage_raw: Any
+    budgets_raw: Any
+    running_raw: Any
     if "format" not in data:
         usage_raw, budgets_raw, running_raw = data, {}, {}
     elif data["format"] == STATE_FORMAT:
@@ -420,7 +423,8 @@ def _parse_state(data: Any) -> dict[str, Any]:
         raise ValueError(f"unknown format {data['format']!r} (this version reads {STATE_FORMAT})")
     out = empty_state()
     for tid, days in _mapping(usage_raw, "usage").items():
-        rows = out["usage"][tid] = {}
+        rows: dict[str, Any] = {}
+        out["usage"][tid] = rows
         for label, fields in _mapping(days, f"usage.{tid}").items():
             qm.day_from_label(label)
             where = f"usage.{tid}.{label}"
@@ -438,7 +442,8 @@ def _parse_state(data: Any) -> dict[str, Any]:
             "month_used": _count(entry["month_used"], f"{where}.month_used"),
         }
     for tid, requests in _mapping(running_raw, "running").items():
-        rows = out["running"][tid] = {}
+        rows = {}
+        out["running"][tid] = rows
         for rid, entry in _mapping(requests, f"running.{tid}").items():
             where = f"running.{tid}.{rid}"
             entry = _mapping(entry, where)
@@ -476,7 +481,8 @@ def quarantine_state_file(path: Path) -> Path | None:
 def load_usage_file(path: Path) -> dict[str, dict[str, dict[str, int]]]:
     """The usage section of the state file (``{}`` if missing; logged and ``{}`` if unreadable)."""
     try:
-        return read_state_file(path)["usage"]
+        usage: dict[str, dict[str, dict[str, int]]] = read_state_file(path)["usage"]
+        return usage
     except StateFileError as exc:
         log.error("cannot read the usage in %s", exc)
         return {}

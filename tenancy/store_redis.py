@@ -133,7 +133,7 @@ class RedisTenantStore(SharedAdminCommands):
             lay.key_index,
             lay.audit,
         ]
-        args = [
+        args: list[Any] = [
             op,
             tenant_id,
             expect,
@@ -321,10 +321,10 @@ class RedisTenantStore(SharedAdminCommands):
     def audit_log(self, count: int = 50) -> list[AuditEntry]:
         """The most recent admin changes, newest first."""
         with self._guard():
-            rows = self._client.xrevrange(self._layout.audit, count=count)
+            rows = self._client.xrevrange(self._layout.audit, count=count) or []
         entries = []
         for entry_id, fields in rows:
-            f = {_text(k): _text(v) for k, v in fields.items()}
+            f = {_text(k): _text(v) for k, v in (fields or {}).items()}
             ms = int(_text(entry_id).split("-")[0])
             entries.append(
                 AuditEntry(

@@ -237,7 +237,7 @@ class RedisTenantWatcher:
                 await asyncio.sleep(self._retry_interval_s)
             finally:
                 with contextlib.suppress(Exception):
-                    await pubsub.aclose()
+                    await pubsub.aclose()  # type: ignore[no-untyped-call]
 
     async def _consume(self, pubsub: Any) -> None:
         last_heard = time.monotonic()

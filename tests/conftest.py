@@ -191,3 +191,40 @@ def redis_server_factory(tmp_path: Path) -> Iterator[Callable[..., RedisProcess]
     for server in started:
         with contextlib.suppress(Exception):
             server.kill()
+
+
+# ---- the fast tier (`make test-fast`: pytest -m "not slow") ------------------------------------------
+
+# Fixtures whose tests are integration tests: a Ray cluster, Serve deployments, the served model's
+# weights and its transformers reference.
+_SLOW_FIXTURES = frozenset(
+    {"ray_serve", "engine_handles", "gateway", "folder_ray", "engines", "smollm", "hf_model", "hf_reference"}
+)
+# Modules whose tests start processes (loom serve, Ray clusters, compilers) or run for minutes.
+_SLOW_MODULES = frozenset(
+    {
+        "tests/test_cli.py",
+        "tests/deploy/test_multinode.py",
+        "tests/loadtest/test_served_smoke.py",
+        "tests/loadtest/test_bench_served.py",
+        "tests/loadtest/test_soak_memory.py",
+        "tests/engine/test_bench_engine.py",
+        "tests/kernels/test_kernel_bench.py",
+    }
+)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "slow: an integration test (Ray, the served model, processes)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        module = Path(str(item.fspath)).resolve().relative_to(_REPO_ROOT).as_posix()
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if (
+            module in _SLOW_MODULES
+            or module.startswith(("tests/faults/", "tests/fuzz/"))
+            or fixtures & _SLOW_FIXTURES
+        ):
+            item.add_marker(pytest.mark.slow)

@@ -15,7 +15,8 @@ PACKAGES = ("common", "protocol", "kernels", "worker", "tenancy", "gateway", "se
 # Product code that touches os.environ for a reason other than reading Loom's settings.
 ENVIRON_ALLOWED = {
     "kernels/bench/run.py": "a GPU script: its --out default ($OUT) and setting TRITON_INTERPRET",
-    "loom/cmd_serve.py": "sets Ray's RAY_DEDUP_LOGS for the local cluster it starts",
+    "serving/bootstrap.py": "sets Ray's RAY_DEDUP_LOGS for the local cluster it starts",
+    "loom/cmd_bench.py": "the environment of the benchmarks it launches: this one's, PYTHONPATH the checkout",
     "loadtest/bench_admission.py": "the benchmark's --redis-url default from REDIS_URL, as the tests",
     "loadtest/workload.py": "a workload file may name the variable that holds a tenant's key",
     "loadtest/soak_server.py": "the environment of the loom serve it starts: this one's plus its settings",

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 from protocol.commands import AbortRequest, AddRequest, EngineCommand
@@ -75,7 +75,7 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]:
         """Stream ``request``'s deltas; the last one carries ``finish_reason`` and the counts.
 
         Raises InvalidRequestError before streaming anything if the engine cannot serve it.

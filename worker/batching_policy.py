@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from protocol.engine_config import SchedulingMode
 
 
-class Admission(enum.Enum):
+class Joining(enum.Enum):
     EVERY_STEP = "every_step"  # waiting requests fill any free room each step
     COHORT = "cohort"  # a new cohort fills the batch now; nothing joins it later
     CLOSED = "closed"  # a cohort is running: nothing joins
@@ -33,7 +33,7 @@ class BatchingPolicy:
         mode = SchedulingMode(mode)
         return cls(cohorts=mode is not SchedulingMode.CONTINUOUS, padding=mode is SchedulingMode.STATIC)
 
-    def admission(self, num_running: int) -> Admission:
+    def joining(self, num_running: int) -> Joining:
         if not self.cohorts:
-            return Admission.EVERY_STEP
-        return Admission.CLOSED if num_running else Admission.COHORT
+            return Joining.EVERY_STEP
+        return Joining.CLOSED if num_running else Joining.COHORT

@@ -47,7 +47,7 @@ def _onednn_usable(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     return (
         device.type == "cpu"
-        and torch.backends.mkldnn.is_available()
+        and torch.backends.mkldnn.is_available()  # type: ignore[no-untyped-call]
         and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
         and hasattr(torch.ops.mkldnn, "_linear_pointwise")
     )
@@ -119,6 +119,9 @@ class Dense:
         if self._panels is not None:
             return packed_linear(x, self._panels, self.bias)
         if self._packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, self.bias, "none", [], "")
+            y: torch.Tensor = torch.ops.mkldnn._linear_pointwise(
+                x.contiguous(), self._packed, self.bias, "none", [], ""
+            )
+            return y
         assert self._weight is not None
         return F.linear(x, self._weight, self.bias)

@@ -108,8 +108,6 @@ class LLMEngine:
 
     def add_request(self, req: GenerationRequest) -> None:
         self.validate(req)
-        if self.scheduler.get(req.request_id) is not None:
-            raise InvalidRequestError("request_id", f"{req.request_id!r} is already running")
         seq = Sequence.from_request(req, self.eos_token_ids)
         self.scheduler.add(seq)
         self.outputs.add(seq, req.num_resumed_tokens)

@@ -214,6 +214,7 @@ class LlamaModel:
             if lora is not None:
                 _add_lora(lora, i, (("down_proj", 0, cfg.hidden_size),), act, h)
         h = h[batch.logits_indices]
+        assert residual is not None  # every model has at least one layer
         h, _ = rms_norm(h, self.norm, cfg.rms_norm_eps, residual[batch.logits_indices])
         return self.lm_head(h).float()
 

@@ -94,9 +94,9 @@ class ModelRunner:
                 rows.append(row)
         if rows:
             seqs = [sampled_seqs[r] for r in rows]
-            tokens = [out.sampled[s] for s in seqs]
+            picked = [out.sampled[s] for s in seqs]
             tops = [s.sampling.logprobs or 0 for s in seqs]
-            out.logprobs = dict(zip(seqs, token_logprobs(logits, rows, tokens, tops), strict=True))
+            out.logprobs = dict(zip(seqs, token_logprobs(logits, rows, picked, tops), strict=True))
         return out
 
     def _rng(self, seq: Sequence) -> RequestRng:

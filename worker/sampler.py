@@ -69,8 +69,8 @@ def token_logprobs(
     logp = torch.log_softmax(logits[rows].float(), dim=-1)
     chosen = logp.gather(1, torch.tensor(tokens).unsqueeze(1)).squeeze(1).tolist()
     k = max(tops, default=0)
-    best_v, best_i = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
-    best_v, best_i = best_v.tolist(), best_i.tolist()
+    values, indices = logp.topk(k, dim=-1) if k else (logp[:, :0], logp[:, :0].long())
+    best_v, best_i = values.tolist(), indices.tolist()
     return [
         TokenLogprob(t, lp, tuple(zip(best_i[j][:n], best_v[j][:n], strict=True)))
         for j, (t, lp, n) in enumerate(zip(tokens, chosen, tops, strict=True))

@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from common import Priority
-from protocol.engine_config import SchedulingMode
-from protocol.requests import FinishReason
-from worker.batching_policy import Admission, BatchingPolicy
+from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.requests import FinishReason, InvalidRequestError
+from worker.batching_policy import BatchingPolicy, Joining
 from worker.block_manager import BlockManager
 from worker.fair_share import FairShare
 from worker.sequence import GREEDY, Sequence, SequenceStatus
@@ -73,8 +73,8 @@ class OpenGate:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 512
+    max_num_seqs: int = EngineConfig.model_fields["max_num_seqs"].default
+    max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default
     mode: SchedulingMode = SchedulingMode.CONTINUOUS
     max_model_len: int = 1 << 30  # a sequence reaching this many tokens ends (LENGTH)
     # Off: every request is served as standard (fair share and FCFS only), the baseline that
@@ -150,7 +150,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
-            raise ValueError(f"request id {seq.request_id!r} is already in the engine")
+            raise InvalidRequestError("request_id", f"{seq.request_id!r} is already running")
         self._by_id[seq.request_id] = seq
         if not self.config.priority_classes:
             seq.priority = Priority.STANDARD
@@ -236,10 +236,10 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        admission = self.policy.admission(len(self.running))
-        if admission is Admission.COHORT:
+        joining = self.policy.joining(len(self.running))
+        if joining is Joining.COHORT:
             self._admit_cohort()
-        admission_open = admission is Admission.EVERY_STEP
+        admission_open = joining is Joining.EVERY_STEP
         for prio in Priority:
             for seq in sorted(
                 (s for s in self.running if s.priority == prio),
@@ -251,12 +251,12 @@ class Scheduler:
                     self._schedule_running(seq, step)
             gated: set[str] = set()  # tenants whose next sequence the gate holds back this step
             while admission_open and step.budget > 0:
-                seq = self._next_waiting(prio, gated)
-                if seq is None:
+                head = self._next_waiting(prio, gated)
+                if head is None:
                     break
-                admitted = self._admit(seq, step)
+                admitted = self._admit(head, step)
                 if admitted is None:
-                    gated.add(seq.tenant)
+                    gated.add(head.tenant)
                 elif not admitted:
                     admission_open = False  # strict classes: nothing lower may take what this one needs
         return ScheduledBatch(

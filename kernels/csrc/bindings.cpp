@@ -1,14 +1,14 @@
 // The Python module of Loom's compiled CPU kernels (kernels/cpu_kernels.py builds it).
 #include <torch/extension.h>
 
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                  torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale);
-void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torch::Tensor order,
-                     torch::Tensor ranks, torch::Tensor h);
-void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales,
-                     torch::Tensor slots, torch::Tensor order, torch::Tensor ranks);
-void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor residual,
-                  torch::Tensor residual_out, torch::Tensor out);
+void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale);
+void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torch::Tensor order, torch::Tensor ranks,
+                     torch::Tensor h);
+void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales, torch::Tensor slots,
+                     torch::Tensor order, torch::Tensor ranks);
+void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor residual, torch::Tensor residual_out,
+                  torch::Tensor out);
 void silu_and_mul_cpu(torch::Tensor x, torch::Tensor out);
 void rotary_cpu(torch::Tensor positions, torch::Tensor q, torch::Tensor k, torch::Tensor cos_sin);
 bool dense_available();
@@ -22,7 +22,7 @@ void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                   torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "paged decode attention (CPU)");
+  m.def("paged_attention", &paged_attention, "paged attention over every query row (CPU)");
   m.def("write_kv", &write_kv_cpu, "store a step's keys and values in the paged caches (CPU)");
   m.def("lora_shrink", &lora_shrink_cpu, "multi-LoRA shrink (CPU, fp32)");
   m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");

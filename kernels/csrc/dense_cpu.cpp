@@ -62,8 +62,8 @@ inline Vec vload_first(const float* p, int64_t n) { return _mm256_maskload_ps(p,
 inline void vstore_first(float* p, Vec v, int64_t n) { _mm256_maskstore_ps(p, lanes(n), v); }
 #endif
 
-constexpr int64_t kPanel = 2 * kLanes;                 // output columns per panel: two vectors
-constexpr int64_t kLine = 64 / sizeof(float);          // floats per cache line
+constexpr int64_t kPanel = 2 * kLanes;                  // output columns per panel: two vectors
+constexpr int64_t kLine = 64 / sizeof(float);           // floats per cache line
 constexpr int64_t kPrefetchRows = 6144 / (kPanel * 4);  // the single-tile stream prefetches 6 KB ahead
 
 enum Prefetch { kNone = 0, kAhead = 1, kNextPanel = 2 };
@@ -161,8 +161,8 @@ void run_panels(int epi, const float* xp, int64_t M, int64_t K, const float* pp,
         const int mode = row_tiles == 1 ? kAhead : pn + 1 < end ? kNextPanel : kNone;
         const int64_t lo = K * t / row_tiles, hi = K * (t + 1) / row_tiles;
         const float* pf = mode == kAhead ? p + kPrefetchRows * kPanel : p + (K + lo) * kPanel;
-        kTiles[mode][rows](xp + m * K, K, p, K, yp + m * ldy + c0, ldy, ncols, bp ? bp + c0 : nullptr, pf, hi - lo,
-                           epi, aux);
+        kTiles[mode][rows](xp + m * K, K, p, K, yp + m * ldy + c0, ldy, ncols, bp ? bp + c0 : nullptr, pf, hi - lo, epi,
+                           aux);
         m += rows;
       }
     }

@@ -123,8 +123,8 @@ void check_float_type(const torch::Tensor& t, c10::ScalarType want, const char* 
 // out[t] = weight * norm(x[t] + residual[t]) and residual_out[t] = x[t] + residual[t]; without a
 // residual (empty tensors), out[t] = weight * norm(x[t]). Inputs are never modified (the reference's
 // contract). All tensors of one dtype (fp32 or bf16) with contiguous rows.
-void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor residual,
-                  torch::Tensor residual_out, torch::Tensor out) {
+void rms_norm_cpu(torch::Tensor x, torch::Tensor weight, double eps, torch::Tensor residual, torch::Tensor residual_out,
+                  torch::Tensor out) {
   const auto dt = x.scalar_type();
   TORCH_CHECK(dt == torch::kFloat32 || dt == torch::kBFloat16, "fp32 or bf16 only");
   check_float_type(weight, dt, "weight");

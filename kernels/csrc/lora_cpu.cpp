@@ -30,8 +30,8 @@ inline float dot(const float* a, const float* b, int64_t n) {
 
 // h[t, :rank[s]] = x[t] @ a[s, :rank[s]].T for the tokens in `order` (slot s = slots[t] >= 0); the
 // other entries of h are left as the caller made them (zeros).
-void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torch::Tensor order,
-                     torch::Tensor ranks, torch::Tensor h) {
+void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torch::Tensor order, torch::Tensor ranks,
+                     torch::Tensor h) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && a.dtype() == torch::kFloat32 && h.dtype() == torch::kFloat32,
               "fp32 only");
   TORCH_CHECK(x.stride(1) == 1 && a.is_contiguous() && h.is_contiguous(), "row-major x, contiguous a and h");
@@ -56,8 +56,8 @@ void lora_shrink_cpu(torch::Tensor x, torch::Tensor a, torch::Tensor slots, torc
 
 // y[t, o] += scale[s] * h[t, :rank[s]] . b[s, o, :rank[s]] for the tokens in `order`; y may be a
 // column slice (row stride honoured, unit column stride).
-void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales,
-                     torch::Tensor slots, torch::Tensor order, torch::Tensor ranks) {
+void lora_expand_cpu(torch::Tensor y, torch::Tensor h, torch::Tensor b, torch::Tensor scales, torch::Tensor slots,
+                     torch::Tensor order, torch::Tensor ranks) {
   TORCH_CHECK(y.dtype() == torch::kFloat32 && h.dtype() == torch::kFloat32 && b.dtype() == torch::kFloat32,
               "fp32 only");
   TORCH_CHECK(y.stride(1) == 1 && h.is_contiguous() && b.is_contiguous() && scales.is_contiguous(),

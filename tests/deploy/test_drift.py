@@ -33,8 +33,8 @@ from deploy.manifests import (
     ray_num_cpus,
     ray_num_gpus,
 )
-from gateway.api import SERVICE_NAME
-from gateway.http_front import HttpFront
+from gateway.grpc.stubs import SERVICE_NAME
+from gateway.http.server import HttpFront
 from gateway.settings import ClientSettings, GatewaySettings
 from kernels.settings import KernelSettings
 from protocol.engine_config import EngineConfig

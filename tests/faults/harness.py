@@ -26,7 +26,7 @@ from typing import Any
 
 import redis
 
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.soak_streams import Received, grpc_stream
 from protocol.engine_config import EngineConfig
 from serving.app import PoolSpec, engine_app

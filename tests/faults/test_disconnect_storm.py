@@ -24,7 +24,7 @@ from typing import Any
 import httpx
 import pytest
 
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.soak_streams import GreedyReference, Received, grpc_stream, http_stream
 from tests.faults.harness import (
     Tenants,

@@ -16,8 +16,8 @@ from pathlib import Path
 import grpc
 import httpx
 
-from gateway.api import pb
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
+from gateway.grpc.stubs import pb
 from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tenancy import FileTenantStore, TenancySettings
 from tenancy.models import Quotas, Tenant

@@ -8,7 +8,7 @@ import asyncio
 from pathlib import Path
 
 from common import Priority
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tests.faults.harness import (
     Engines,

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tenancy import QuotaMode
 from tests.faults.harness import Tenants, pool_idle, slots_come_back, tenancy_settings, wait_usage

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from loadtest.soak_streams import GreedyReference, Received, grpc_stream
 from tests.faults.harness import (
     Engines,

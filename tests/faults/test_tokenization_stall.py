@@ -18,8 +18,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from gateway.api import pb
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
+from gateway.grpc.stubs import pb
 from gateway.settings import GatewaySettings
 from protocol.engine_config import EngineConfig
 from protocol.limits import LIMITS

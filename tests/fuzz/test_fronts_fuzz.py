@@ -21,9 +21,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gateway.api import SERVICE_NAME, pb
-from gateway.client import LoomClient
-from gateway.grpc_status import MAX_MESSAGE_BYTES
+from gateway.grpc.client import LoomClient
+from gateway.grpc.status import MAX_MESSAGE_BYTES
+from gateway.grpc.stubs import SERVICE_NAME, pb
 from loadtest.soak_fuzz import Case, Sender, make_case, problems
 from tests.fuzz.conftest import Fuzzed
 

@@ -14,7 +14,7 @@ import pytest
 import redis
 
 import serving.bootstrap
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from loadtest.tiny_model import random_checkpoint, save_hf_dir

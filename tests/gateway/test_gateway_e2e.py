@@ -10,8 +10,8 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from common import Priority
-from gateway.api import pb
-from gateway.grpc_status import RETRY_AFTER_METADATA
+from gateway.grpc.status import RETRY_AFTER_METADATA
+from gateway.grpc.stubs import pb
 from protocol.engine_config import EngineConfig
 from protocol.requests import GenerationRequest, SamplingParams
 from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually

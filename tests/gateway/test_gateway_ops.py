@@ -23,8 +23,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY
 
-from gateway.api import SERVICE_NAME, pb
-from gateway.client import LoomClient
+from gateway.grpc.client import LoomClient
+from gateway.grpc.stubs import SERVICE_NAME, pb
 from gateway.settings import GatewaySettings
 from serving.app import PoolSpec, engine_app
 from tenancy import TenancySettings

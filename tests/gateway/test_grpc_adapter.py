@@ -10,13 +10,13 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from common import Priority
-from gateway.api import pb
 from gateway.catalog import ModelCatalog
 from gateway.errors import ErrorKind, GatewayError, from_tenancy, invalid_argument
-from gateway.grpc_status import QUOTA_METADATA, RETRY_AFTER_METADATA, STATUS_CODES, to_status
+from gateway.grpc.service import to_request, to_response
+from gateway.grpc.status import QUOTA_METADATA, RETRY_AFTER_METADATA, STATUS_CODES, to_status
+from gateway.grpc.stubs import pb
 from gateway.schema import ChatMessage, Delta, InferenceRequest, Usage
 from gateway.server import GatewayServer
-from gateway.service import to_request, to_response
 from gateway.settings import GatewaySettings
 from protocol.requests import FinishReason
 from tenancy import (

@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from gateway.api import pb
+from gateway.grpc.stubs import pb
 from tests.gateway.conftest import SMOL, TINY, Gateway, engine_idle, eventually
 from tests.gateway.test_gateway_e2e import _usage, _usage_matches, collect
 

@@ -9,7 +9,7 @@ import grpc
 import openai
 import pytest
 
-from gateway.api import pb
+from gateway.grpc.stubs import pb
 from gateway.metrics import ENGINE
 from loadtest.tiny_model import random_checkpoint, save_random_adapter
 from protocol.adapters import LoraRequest, inspect_adapter

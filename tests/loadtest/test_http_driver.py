@@ -1,7 +1,7 @@
 """The HTTP driver without a server: server-sent events cut anywhere, token counts from
 log-probabilities, HTTP statuses and in-stream error events mapped to the report's code names, the
 request body it sends, deadlines and dropped connections (httpx's MockTransport stands in for the
-front; the byte streams are shaped as gateway/http_front.py writes them)."""
+front; the byte streams are shaped as gateway/http/streaming.py writes them)."""
 
 from __future__ import annotations
 

@@ -20,9 +20,9 @@ import yaml
 
 from common import Priority
 from gateway.settings import GatewaySettings
+from loadtest.cli import build_parser
 from loadtest.driver import DriverError, DriverRequest, GrpcDriver, HttpDriver
 from loadtest.tiny_model import random_checkpoint, save_hf_dir
-from loom.cli import build_parser
 from protocol.engine_config import EngineConfig
 from serving.bootstrap import PoolRoute, start_gateway
 from serving.pools import LocalEnginePool

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from common import Priority
 from tenancy.errors import (
     ModelNotAllowedError,
     RequestTooLargeError,
@@ -11,7 +12,7 @@ from tenancy.errors import (
     TenantSuspendedError,
     TenantValidationError,
 )
-from tenancy.models import Priority, Tenant, TenantStatus, parse_tenant
+from tenancy.models import Tenant, TenantStatus, parse_tenant
 from tenancy.policy import check_request
 from tenancy.store import apply_changes, diff
 

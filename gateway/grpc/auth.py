@@ -18,9 +18,9 @@ from typing import Any
 
 import grpc
 
-from gateway.api import SERVICE_NAME
 from gateway.errors import ErrorKind, GatewayError
-from gateway.grpc_status import abort
+from gateway.grpc.status import abort
+from gateway.grpc.stubs import SERVICE_NAME
 from tenancy import Principal
 
 Authenticate = Callable[[str | None], Principal]  # RequestPath.authenticate

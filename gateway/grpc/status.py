@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NoReturn
 
 import grpc
 from google.protobuf import duration_pb2
@@ -94,6 +95,7 @@ def to_status(err: GatewayError) -> grpc.Status:
     return _Status(code, message, tuple(metadata))
 
 
-async def abort(context: grpc.aio.ServicerContext, err: GatewayError) -> None:
+async def abort(context: grpc.aio.ServicerContext, err: GatewayError) -> NoReturn:
     """End the call with ``err`` (raises, as ``context.abort`` does)."""
     await context.abort_with_status(to_status(err))
+    raise AssertionError("grpc's abort_with_status returned instead of raising")

@@ -8,7 +8,7 @@ from typing import Any
 
 import grpc
 
-from gateway.api import pb, pb_grpc
+from gateway.grpc.stubs import pb, pb_grpc
 
 
 class LoomClient:

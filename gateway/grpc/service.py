@@ -2,7 +2,7 @@
 
 It only translates: a ``GenerateRequest`` into the neutral request (finding what only protobuf can
 get wrong: an unknown ``Priority`` value), neutral deltas into ``GenerateResponse`` messages, and
-refusals into gRPC statuses (gateway/grpc_status.py). Every rule lives in the path, once for all fronts.
+refusals into gRPC statuses (gateway/grpc/status.py). Every rule lives in the path, once for all fronts.
 """
 
 from __future__ import annotations
@@ -14,10 +14,10 @@ import logging
 import grpc
 
 from common import Priority
-from gateway.api import pb, pb_grpc
-from gateway.auth import Undecodable, current_principal
 from gateway.errors import ErrorKind, GatewayError, invalid_argument
-from gateway.grpc_status import abort
+from gateway.grpc.auth import Undecodable, current_principal
+from gateway.grpc.status import abort
+from gateway.grpc.stubs import pb, pb_grpc
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest
 from protocol.limits import Violation

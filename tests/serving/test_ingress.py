@@ -8,7 +8,7 @@ from tenancy import TenancySettings
 
 
 def _tenancy_args(settings: TenancySettings) -> dict:
-    app = gateway_deployment(GatewaySettings(), settings, pools={}, tokenizer_paths={})
+    app = gateway_deployment(GatewaySettings(), settings, pools={}, model_paths={})
     return app._bound_deployment.init_args[1]
 
 

@@ -22,7 +22,9 @@
 namespace {
 
 template <typename T>
-inline float to_f(T x) { return static_cast<float>(x); }
+inline float to_f(T x) {
+  return static_cast<float>(x);
+}
 
 #if defined(__AVX512F__)
 // 16 cache values as fp32 lanes: bf16 is the high half of an fp32 (widen, shift), fp16 converts.
@@ -157,8 +159,10 @@ inline __m512 sum16(const __m512 (&v)[16]) {
     four[k] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
   }
   // four[k] holds slots 4k..4k+3 in each of its four 128-bit lanes; add the lanes together.
-  const __m512 lo = _mm512_add_ps(_mm512_shuffle_f32x4(four[0], four[1], 0x88), _mm512_shuffle_f32x4(four[0], four[1], 0xDD));
-  const __m512 hi = _mm512_add_ps(_mm512_shuffle_f32x4(four[2], four[3], 0x88), _mm512_shuffle_f32x4(four[2], four[3], 0xDD));
+  const __m512 lo =
+      _mm512_add_ps(_mm512_shuffle_f32x4(four[0], four[1], 0x88), _mm512_shuffle_f32x4(four[0], four[1], 0xDD));
+  const __m512 hi =
+      _mm512_add_ps(_mm512_shuffle_f32x4(four[2], four[3], 0x88), _mm512_shuffle_f32x4(four[2], four[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(lo, hi, 0x88), _mm512_shuffle_f32x4(lo, hi, 0xDD));
 }
 
@@ -281,17 +285,19 @@ void decode_kv_head(const float* q, float scale, const T* k0, const T* v0, const
   for (int64_t h0 = 0; h0 < heads; h0 += 8) {  // at most 8 KV heads' queries on the stack at a time
     const int64_t hn = std::min<int64_t>(8, heads - h0);
     for (int64_t i = 0; i < hn * G * D; ++i) qs[i] = q[h0 * G * D + i] * scale;
-    for_each_slot(k0 + h0 * D, table, len, block_size, block_stride, slot_stride, slot_bytes, [&](int64_t p, const T* k) {
-      for (int64_t h = 0; h < hn; ++h) {
-        __m256 a[G];
-        for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
-        for (int c = 0; c < C; ++c) {
-          const __m256 kv = load8(k + h * D + 8 * c);
-          for (int g = 0; g < G; ++g) a[g] = _mm256_fmadd_ps(_mm256_load_ps(qs + (h * G + g) * D + 8 * c), kv, a[g]);
-        }
-        for (int g = 0; g < G; ++g) scores[((h0 + h) * G + g) * len + p] = hsum8(a[g]);
-      }
-    });
+    for_each_slot(k0 + h0 * D, table, len, block_size, block_stride, slot_stride, slot_bytes,
+                  [&](int64_t p, const T* k) {
+                    for (int64_t h = 0; h < hn; ++h) {
+                      __m256 a[G];
+                      for (int g = 0; g < G; ++g) a[g] = _mm256_setzero_ps();
+                      for (int c = 0; c < C; ++c) {
+                        const __m256 kv = load8(k + h * D + 8 * c);
+                        for (int g = 0; g < G; ++g)
+                          a[g] = _mm256_fmadd_ps(_mm256_load_ps(qs + (h * G + g) * D + 8 * c), kv, a[g]);
+                      }
+                      for (int g = 0; g < G; ++g) scores[((h0 + h) * G + g) * len + p] = hsum8(a[g]);
+                    }
+                  });
   }
   softmax_rows(scores, rows, len, nullptr);
   if (heads == 1) {
@@ -336,18 +342,24 @@ constexpr bool kRowItems = true;  // work items of a whole row (all KV heads) wh
 
 #if defined(LOOM_KV_HEAD_KERNEL)
 template <typename T>
-using KvHeadFn = void (*)(const float*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t,
-                          int64_t, int64_t, float*, float*);
+using KvHeadFn = void (*)(const float*, float, const T*, const T*, const int32_t*, int64_t, int64_t, int64_t, int64_t,
+                          int64_t, float*, float*);
 
 template <typename T, int C>
 KvHeadFn<T> kv_head_fn_for_group(int64_t group) {
   switch (group) {
-    case 1: return &decode_kv_head<T, 1, C>;
-    case 2: return &decode_kv_head<T, 2, C>;
-    case 3: return &decode_kv_head<T, 3, C>;
-    case 4: return &decode_kv_head<T, 4, C>;
-    case 8: return &decode_kv_head<T, 8, C>;
-    default: return nullptr;
+    case 1:
+      return &decode_kv_head<T, 1, C>;
+    case 2:
+      return &decode_kv_head<T, 2, C>;
+    case 3:
+      return &decode_kv_head<T, 3, C>;
+    case 4:
+      return &decode_kv_head<T, 4, C>;
+    case 8:
+      return &decode_kv_head<T, 8, C>;
+    default:
+      return nullptr;
   }
 }
 
@@ -370,8 +382,8 @@ inline int64_t zigzag(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 
 // written here so that no fp32 copy of q or of the output is made around the call).
 template <typename T, typename Q>
 void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                   const torch::Tensor& block_tables, const torch::Tensor& key_lens,
-                   const torch::Tensor& seqs, const torch::Tensor& rows, torch::Tensor& out, double scale) {
+                   const torch::Tensor& block_tables, const torch::Tensor& key_lens, const torch::Tensor& seqs,
+                   const torch::Tensor& rows, torch::Tensor& out, double scale) {
   const int64_t num_decodes = seqs.size(0);
   const int64_t num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
@@ -442,17 +454,21 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
       for (int64_t i = 0; i < num_heads * head_dim; ++i) qs[i] = to_f(src[i]) * static_cast<float>(scale);
       const int32_t* table = bt + s * table_width;
       // Pass 1: the score of every key for every query head (head j uses KV head j / group).
-      for_each_slot(kp, table, len, block_size, block_stride, slot_stride, slot_stride * sizeof(T), [&](int64_t p, const T* slot) {
-        for (int64_t j = 0; j < num_heads; ++j)
-          scores[j * len + p] = dot_any(qs.data() + j * head_dim, slot + (j / group) * head_dim, head_dim);
-      });
+      for_each_slot(kp, table, len, block_size, block_stride, slot_stride, slot_stride * sizeof(T),
+                    [&](int64_t p, const T* slot) {
+                      for (int64_t j = 0; j < num_heads; ++j)
+                        scores[j * len + p] =
+                            dot_any(qs.data() + j * head_dim, slot + (j / group) * head_dim, head_dim);
+                    });
       softmax_rows(scores.data(), num_heads, len);
       // Pass 2: probability-weighted values.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for_each_slot(vp, table, len, block_size, block_stride, slot_stride, slot_stride * sizeof(T), [&](int64_t p, const T* slot) {
-        for (int64_t j = 0; j < num_heads; ++j)
-          axpy_any(acc.data() + j * head_dim, scores[j * len + p], slot + (j / group) * head_dim, head_dim);
-      });
+      for_each_slot(vp, table, len, block_size, block_stride, slot_stride, slot_stride * sizeof(T),
+                    [&](int64_t p, const T* slot) {
+                      for (int64_t j = 0; j < num_heads; ++j)
+                        axpy_any(acc.data() + j * head_dim, scores[j * len + p], slot + (j / group) * head_dim,
+                                 head_dim);
+                    });
       Q* dst = op + row * num_heads * head_dim;
       for (int64_t i = 0; i < num_heads * head_dim; ++i) dst[i] = static_cast<Q>(acc[i]);
     }
@@ -466,12 +482,10 @@ void decode_kernel(const torch::Tensor& q, const torch::Tensor& k_cache, const t
 // query row's sequence, its row in q and how many of the sequence's first keys it attends to (a
 // decode: all of them; row i of a prefill chunk after ctx cached tokens: ctx + i + 1, which is causal
 // attention row by row). Math in fp32 whatever the dtypes.
-void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-                  torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out,
-                  double scale) {
+void paged_attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+                     torch::Tensor key_lens, torch::Tensor seqs, torch::Tensor rows, torch::Tensor out, double scale) {
   TORCH_CHECK(q.dtype() == out.dtype(), "q and out must share a dtype");
-  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_cache.dtype(),
-              "q must be float32 or the caches' dtype");
+  TORCH_CHECK(q.dtype() == torch::kFloat32 || q.dtype() == k_cache.dtype(), "q must be float32 or the caches' dtype");
   TORCH_CHECK(q.is_contiguous() && out.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(),
               "q, out and the caches must be contiguous");
   TORCH_CHECK(block_tables.dtype() == torch::kInt32 && key_lens.dtype() == torch::kInt32, "int32 metadata");
@@ -486,8 +500,7 @@ void paged_decode(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache,
     if (f32q) {
       decode_kernel<c10::BFloat16, float>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
     } else {
-      decode_kernel<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out,
-                                                  scale);
+      decode_kernel<c10::BFloat16, c10::BFloat16>(q, k_cache, v_cache, block_tables, key_lens, seqs, rows, out, scale);
     }
   } else if (k_cache.dtype() == torch::kFloat16) {
     if (f32q) {

@@ -1,0 +1,78 @@
+"""The uvicorn server that serves the HTTP front in the gateway's event loop, and its TLS renewal."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import math
+import ssl
+from collections.abc import Callable
+
+import uvicorn
+
+from gateway.http.app import build_app
+from gateway.request_path import RequestPath
+from gateway.settings import GatewaySettings
+from gateway.tls import TlsFiles
+
+
+class HttpFront:
+    def __init__(self, path: RequestPath, settings: GatewaySettings, serving: Callable[[], bool]) -> None:
+        self.settings = settings
+        self.app = build_app(path, serving)
+        self._server: uvicorn.Server | None = None
+        self._task: asyncio.Task[None] | None = None
+        self.port: int | None = None
+
+    async def start(self, host: str, port: int) -> int:
+        s = self.settings
+        config = uvicorn.Config(
+            self.app,
+            host=host,
+            port=port,
+            lifespan="off",
+            log_level="warning",
+            access_log=False,
+            timeout_keep_alive=math.ceil(s.http_keepalive_s),
+            timeout_graceful_shutdown=max(1, math.ceil(s.drain_grace_s)),
+            ssl_certfile=s.tls_cert_file,
+            ssl_keyfile=s.tls_key_file,
+            ssl_ca_certs=s.tls_client_ca_file,
+            ssl_cert_reqs=ssl.CERT_REQUIRED if s.tls_client_ca_file else ssl.CERT_NONE,
+        )
+        server = _QuietServer(config)
+        self._task = asyncio.create_task(server.serve())
+        while not server.started:
+            if self._task.done():
+                await self._task  # raises what stopped it (a port in use...)
+                raise OSError(f"the HTTP front did not start on {host}:{port}")
+            await asyncio.sleep(0.01)
+        self._server = server
+        self.port = server.servers[0].sockets[0].getsockname()[1]
+        return self.port
+
+    def use_certificate(self, files: TlsFiles) -> None:
+        """Serve a renewed certificate to new connections (gateway/tls.py). A new client CA is added
+        beside the old one: Python's SSL context cannot forget a CA, so dropping one needs a restart."""
+        context = self._server.config.ssl if self._server is not None else None
+        if context is None:
+            return
+        context.load_cert_chain(files.cert_file, files.key_file)
+        if files.client_ca_file:
+            context.load_verify_locations(files.client_ca_file)
+
+    async def stop(self) -> None:
+        """Stop accepting; streams in flight get up to the drain grace to finish."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await self._task
+        self._server = None
+
+
+class _QuietServer(uvicorn.Server):
+    """The host process owns the signals: uvicorn must not install its handlers."""
+
+    def install_signal_handlers(self) -> None:
+        return None
