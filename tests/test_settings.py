@@ -21,6 +21,8 @@ ENVIRON_ALLOWED = {
     "loadtest/workload.py": "a workload file may name the variable that holds a tenant's key",
     "loadtest/soak_server.py": "the environment of the loom serve it starts: this one's plus its settings",
     "loadtest/peer_vllm.py": "the environment of the vLLM subprocess: this one's plus vLLM's CPU variables",
+    "loadtest/aba_checkouts.py": "the environment of each checkout's run: this one's, its PYTHONPATH and "
+    "torch extensions folder",
     "loadtest/peer_vllm_runner.py": "runs inside the peer venv and records the vLLM variables it ran under",
 }
 

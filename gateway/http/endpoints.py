@@ -86,10 +86,27 @@ class Endpoint:
         """A streamed chunk's choice; ``offsets`` carries each choice's text offset (legacy logprobs)."""
         raise NotImplementedError
 
+    answer_model: ClassVar[type[ChatCompletion] | type[Completion]]
+
+    def answer_choice(self, choice: Choice, want_lp: bool) -> dict[str, Any]:
+        """One choice of a whole answer, beyond its index and finish reason."""
+        raise NotImplementedError
+
     def whole(
         self, rid: str, model: str, choices: dict[int, Choice], usage: dict[str, Any], want_lp: bool
     ) -> BaseModel:
-        raise NotImplementedError
+        return self.answer_model.model_validate(
+            {
+                "id": self.id_prefix + rid,
+                "created": int(time.time()),
+                "model": model,
+                "choices": [
+                    {"index": i, **self.answer_choice(c, want_lp), "finish_reason": c.finish_reason}
+                    for i, c in sorted(choices.items())
+                ],
+                "usage": usage,
+            }
+        )
 
     def wants_logprobs(self, body: Any) -> bool:
         raise NotImplementedError
@@ -97,6 +114,7 @@ class Endpoint:
 
 class Chat(Endpoint):
     body_model = ChatCompletionRequest
+    answer_model = ChatCompletion
     object = "chat.completion"
     chunk_object = "chat.completion.chunk"
     id_prefix = "chatcmpl-"
@@ -124,26 +142,11 @@ class Chat(Endpoint):
         finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
         return {"index": delta.index, "delta": d, "logprobs": lp, "finish_reason": finish}
 
-    def whole(
-        self, rid: str, model: str, choices: dict[int, Choice], usage: dict[str, Any], want_lp: bool
-    ) -> BaseModel:
-        return ChatCompletion.model_validate(
-            {
-                "id": self.id_prefix + rid,
-                "created": int(time.time()),
-                "model": model,
-                "choices": [
-                    {
-                        "index": i,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": chat_logprobs(c.logprobs) if want_lp else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in sorted(choices.items())
-                ],
-                "usage": usage,
-            }
-        )
+    def answer_choice(self, choice: Choice, want_lp: bool) -> dict[str, Any]:
+        return {
+            "message": {"role": "assistant", "content": choice.text},
+            "logprobs": chat_logprobs(choice.logprobs) if want_lp else None,
+        }
 
     def wants_logprobs(self, body: ChatCompletionRequest) -> bool:
         return body.logprobs
@@ -151,6 +154,7 @@ class Chat(Endpoint):
 
 class Completions(Endpoint):
     body_model = CompletionRequest
+    answer_model = Completion
     object = "text_completion"
     chunk_object = "text_completion"
     id_prefix = "cmpl-"
@@ -181,26 +185,11 @@ class Completions(Endpoint):
         finish = FINISH.get(delta.finish_reason) if delta.finish_reason else None
         return {"index": delta.index, "text": delta.text, "logprobs": lp, "finish_reason": finish}
 
-    def whole(
-        self, rid: str, model: str, choices: dict[int, Choice], usage: dict[str, Any], want_lp: bool
-    ) -> BaseModel:
-        return Completion.model_validate(
-            {
-                "id": self.id_prefix + rid,
-                "created": int(time.time()),
-                "model": model,
-                "choices": [
-                    {
-                        "index": i,
-                        "text": c.text,
-                        "logprobs": completion_logprobs(c.logprobs, 0)[0] if want_lp else None,
-                        "finish_reason": c.finish_reason,
-                    }
-                    for i, c in sorted(choices.items())
-                ],
-                "usage": usage,
-            }
-        )
+    def answer_choice(self, choice: Choice, want_lp: bool) -> dict[str, Any]:
+        return {
+            "text": choice.text,
+            "logprobs": completion_logprobs(choice.logprobs, 0)[0] if want_lp else None,
+        }
 
     def wants_logprobs(self, body: CompletionRequest) -> bool:
         return body.logprobs is not None
