@@ -50,7 +50,7 @@ chat_completions  # gateway.http.app
 completions  # gateway.http.app
 models  # gateway.http.app
 health  # gateway.http.app
-install_signal_handlers  # uvicorn.Server
+capture_signals  # uvicorn.Server
 should_exit  # uvicorn.Server
 
 # Fields of OpenAI response bodies (gateway/http/schema.py): serialized for clients, never read here.

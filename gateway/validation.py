@@ -1,6 +1,6 @@
 """Field-by-field validation of a neutral request; every violation is named, all at once.
 
-The sampling fields are checked by ``worker.api.sampling_violations`` against ``worker.api.LIMITS``,
+The sampling fields are checked by ``protocol.limits.sampling_violations`` against its ``LIMITS``,
 the very rules the engine applies, so the gateway can never accept what the engine would refuse (or
 the other way round). What only the gateway knows stays here: the prompt's size in UTF-8 bytes (checked
 before any tokenizing work is spent on it), chat roles, the model name and the request id's shape.

@@ -50,6 +50,8 @@ def _run(
     t0 = time.perf_counter()
     while engine.has_unfinished():
         produced += sum(len(o.token_ids) for o in engine.step())
+        if engine.stalled():  # only adapters being read: sleep until a load ends, never spin
+            engine.wait_for_progress(timeout=1.0)
     wall = time.perf_counter() - t0
     expected = sum(w.max_tokens for w in items)
     if produced != expected:

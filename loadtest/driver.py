@@ -255,8 +255,9 @@ def error_code(payload: Any, status: int | None = None) -> tuple[str, str]:
     """(code name, message) of an OpenAI error body or an in-stream error event.
 
     The HTTP status decides when there is one (the gateway's statuses are one per code); an error event
-    inside a stream has none, so its ``code`` field does: an HTTP status number (what the gateway
-    sends), or a code name in either case (``resource_exhausted``); failing those, its ``type``."""
+    inside a stream has none, so its ``code`` field does: a code name in either case (what the gateway
+    sends, as in its JSON errors: ``deadline_exceeded``), or an HTTP status number (other servers);
+    failing those, its ``type``."""
     err = payload.get("error") if isinstance(payload, dict) else None
     if not isinstance(err, dict):
         err = {}

@@ -1,6 +1,6 @@
 """GPU scale without a GPU: the real scheduler and block manager on a virtual clock.
 
-Each replica is Loom's own ``Scheduler`` over its own ``BlockManager`` (from worker.api, the code
+Each replica is Loom's own ``Scheduler`` over its own ``BlockManager`` (worker/scheduler.py, the code
 that runs in production), so admission, chunked prefill, strict priority classes, weighted fair
 share, preemption and static cohorts behave exactly as they do in the engine. Only the forward pass
 is replaced: a step's duration comes from the cost model (loadtest/costmodel.py) and every sampled

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -48,4 +47,5 @@ def launch(command: str, argv: list[str]) -> int:
         **os.environ,
         "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
     }
-    return subprocess.call([sys.executable, "-m", "loadtest", command, *argv], env=env)
+    # The benchmark takes this process's place: signals (Ctrl-C, SIGTERM) and the exit code are its own.
+    os.execve(sys.executable, [sys.executable, "-m", "loadtest", command, *argv], env)

@@ -13,7 +13,7 @@ import contextlib
 import dataclasses
 import logging
 from collections.abc import AsyncGenerator
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import ray.exceptions
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
@@ -25,7 +25,9 @@ from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, 
 from protocol.stats import EngineStats
 from serving.replica_stats import ReplicaStatsRegistry
 from tenancy.models import SHARED_POOL
-from worker.api import AsyncEngine
+
+if TYPE_CHECKING:  # a gateway process never loads the engine: only LocalEnginePool's callers do
+    from worker.api import AsyncEngine
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Deployment
@@ -22,7 +22,9 @@ from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
 from serving.router import ROUTER_CLASS
-from worker.api import AsyncEngine, LLMEngine
+
+if TYPE_CHECKING:
+    from worker.api import AsyncEngine
 
 log = logging.getLogger(__name__)
 
@@ -38,7 +40,11 @@ class EngineReplica:
 
     def __init__(self, engine_config: EngineConfig, pool: str) -> None:
         self.pool = pool
-        self.engine = AsyncEngine(LLMEngine(engine_config)).start()
+        # The engine is imported here, in the replica's process: whoever only builds the deployment
+        # (loom serve's gateway, build_app) never loads torch.
+        from worker.api import AsyncEngine, LLMEngine
+
+        self.engine: AsyncEngine = AsyncEngine(LLMEngine(engine_config)).start()
         self.info = self.engine.engine.model_info(pool)
         log.info("engine replica ready: %s", self.info)
 

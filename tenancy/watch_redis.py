@@ -119,6 +119,8 @@ class RedisTenantWatcher:
                 await client.aclose()
         self._owned = []
         stuck = [t for t in self._tasks if not t.done()]
+        for task in stuck:  # its read has failed by now: the cancel lands (a reconnect must not)
+            task.cancel()
         if stuck:
             _, still = await asyncio.wait(stuck, timeout=STOP_WAIT_S)
             for task in still:

@@ -40,6 +40,14 @@ def test_no_engine_and_no_ray(modules: tuple[str, ...]) -> None:
     assert not loaded & {"torch", "triton", "ray", "worker", "kernels", "serving", "loadtest"}
 
 
+def test_a_gateway_started_by_the_serving_layer_loads_no_engine() -> None:
+    """`loom serve` and the gateway's Serve replicas start the gateway through serving's bootstrap and
+    ingress: Ray, but never torch or the engine."""
+    loaded = _top_level_imports("serving.bootstrap", "serving.ingress", "serving.pools", "serving.app")
+    assert "ray" in loaded
+    assert not loaded & {"torch", "triton", "worker", "kernels"}
+
+
 def test_the_engine_loads_no_transport() -> None:
     loaded = _top_level_imports("worker.api")
     assert "torch" in loaded  # the probe sees what it should

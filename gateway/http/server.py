@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import math
 import ssl
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import uvicorn
 
@@ -72,7 +72,8 @@ class HttpFront:
 
 
 class _QuietServer(uvicorn.Server):
-    """The host process owns the signals: uvicorn must not install its handlers."""
+    """The host process owns the signals (the gateway drains on them): uvicorn installs none."""
 
-    def install_signal_handlers(self) -> None:
-        return None
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
