@@ -43,7 +43,7 @@ from loadtest.machine import cpu_info, cpu_line
 from loadtest.words import BENCHMARK_WORDS
 from protocol.engine_config import EngineConfig, SchedulingMode
 from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
-from worker.api import Checkpoint, LLMEngine, load_checkpoint
+from worker.api import Checkpoint, LLMEngine, StepTrace, load_checkpoint
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -94,42 +94,27 @@ def _summary(
 
 
 class StepTimer:
-    """Where a Loom engine's steps spend their time, measured in this process only.
+    """Where a Loom engine's steps spend their time, from the engine's own step traces.
 
-    ``engine.step`` is timed by ``step``, and two bound methods of this one engine are wrapped as
-    instance attributes: the scheduler's ``schedule`` and the model's ``forward`` (the compute). The
-    rest of a step (batch building, sampling, sequence updates, detokenization) is
-    ``step - schedule - forward``; the non-compute share is ``(step - forward) / step``.
+    The engine reports each step's scheduling, forward-pass and whole duration
+    (``LLMEngine.add_step_observer``); the rest of a step (batch building, sampling, sequence
+    updates, detokenization) is ``step - schedule - forward``; the non-compute share is
+    ``(step - forward) / step``.
     """
 
     def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.reset()
-        schedule, forward = engine.scheduler.schedule, engine.runner.model.forward
+        engine.add_step_observer(self._record)
 
-        def timed_schedule(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return schedule(*args, **kwargs)
-            finally:
-                self.schedule_s += time.perf_counter() - t
-
-        def timed_forward(*args: Any, **kwargs: Any) -> Any:
-            t = time.perf_counter()
-            try:
-                return forward(*args, **kwargs)  # on CPU the logits are ready when it returns
-            finally:
-                self.forward_s += time.perf_counter() - t
-
-        engine.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
-        engine.runner.model.forward = timed_forward  # type: ignore[method-assign]
+    def _record(self, trace: StepTrace) -> None:
+        self.steps += 1
+        self.schedule_s += trace.schedule_s
+        self.forward_s += trace.forward_s
+        self.step_s += trace.step_s
 
     def step(self) -> list[RequestOutput]:
-        t = time.perf_counter()
-        out = self.engine.step()
-        self.step_s += time.perf_counter() - t
-        self.steps += 1
-        return out
+        return self.engine.step()
 
     def reset(self) -> None:
         self.schedule_s = self.forward_s = self.step_s = 0.0

@@ -112,22 +112,14 @@ def _serve_once(engine: LLMEngine, ckpt: Checkpoint, run: CalibrationRun, rep: i
         engine.add_request(
             GenerationRequest(f"c{rep}-{i}", prompt, SamplingParams(max_tokens=o, ignore_eos=True))
         )
-    batches: list[list[StepItem]] = []
-    execute = engine.runner.execute
-
-    def recording_execute(batch: Any) -> Any:  # the batch as scheduled, before the step changes it
-        batches.append(
-            [
-                StepItem(n, s.num_computed_tokens, s.num_computed_tokens + n == s.num_tokens)
-                for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
-            ]
-        )
-        return execute(batch)
-
-    engine.runner.execute = recording_execute  # type: ignore[method-assign]
     durations: list[float] = []
     first: dict[str, int] = {}
     done: dict[str, int] = {}
+    # Each step's batch as the cost model reads it: the engine's trace rows, as scheduled.
+    batches: list[list[StepItem]] = []
+    stop_tracing = engine.add_step_observer(
+        lambda t: batches.append([StepItem(r.num_tokens, r.num_computed_tokens, r.samples) for r in t.rows])
+    )
     t0 = time.perf_counter()
     try:
         while engine.has_unfinished():
@@ -140,7 +132,7 @@ def _serve_once(engine: LLMEngine, ckpt: Checkpoint, run: CalibrationRun, rep: i
                 if o.finished:
                     done[o.request_id] = len(durations) - 1
     finally:
-        engine.runner.execute = execute  # type: ignore[method-assign]
+        stop_tracing()
     wall = time.perf_counter() - t0
     ids = [f"c{rep}-{i}" for i in range(len(items))]
     return items, batches, durations, [first[i] for i in ids], [done[i] for i in ids], wall

@@ -10,11 +10,15 @@ torch and the kernels.
 from worker.async_engine import AsyncEngine
 from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.engine import LLMEngine, merge_output
+from worker.step_trace import StepObserver, StepRow, StepTrace
 
 __all__ = [
     "AsyncEngine",
     "Checkpoint",
     "LLMEngine",
+    "StepObserver",
+    "StepRow",
+    "StepTrace",
     "load_checkpoint",
     "merge_output",
 ]

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -35,6 +36,7 @@ from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
+from worker.step_trace import StepObserver, StepRow, StepTrace
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,7 @@ class LLMEngine:
         # Set by whatever may unblock a stalled step: an adapter load that finished, a driver's command.
         self.wakeup = threading.Event()
         self._stalled = False
+        self._observers: list[StepObserver] = []
         if self.lora is not None:
             self.lora.on_loaded = self.wakeup.set
         self._weight_bytes = self.model.weight_bytes()
@@ -137,7 +140,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration: schedule, execute, update, emit. Every request that ends in it is counted
         once as finished, whichever way it ended."""
+        started = time.perf_counter()
         batch = self.scheduler.schedule()
+        scheduled = time.perf_counter()
+        rows = _rows(batch) if self._observers and batch else ()
         rejected = [
             self._final(seq, FinishReason.ERROR, reason) for seq, reason in self.scheduler.take_rejected()
         ]
@@ -159,7 +165,17 @@ class LLMEngine:
         emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
         self.counters.generated_tokens += len(updates)
         self.counters.finished += sum(1 for o in emitted if o.finished)
+        if self._observers:
+            trace = StepTrace(rows, scheduled - started, result.forward_s, time.perf_counter() - started)
+            for observe in self._observers:
+                observe(trace)
         return rejected + failed + emitted
+
+    def add_step_observer(self, observer: StepObserver) -> Callable[[], None]:
+        """Call ``observer`` with a :class:`StepTrace` after every step that ran a batch to its end;
+        returns what removes it again."""
+        self._observers.append(observer)
+        return lambda: self._observers.remove(observer)
 
     def stalled(self) -> bool:
         """The last step ran nothing although requests wait: they wait on a resource (an adapter being
@@ -211,6 +227,13 @@ class LLMEngine:
             if self.stalled():
                 self.wait_for_progress(timeout=1.0)
         return merged
+
+
+def _rows(batch: ScheduledBatch) -> tuple[StepRow, ...]:
+    return tuple(
+        StepRow(n, s.num_computed_tokens, s.num_computed_tokens + n == s.num_tokens)
+        for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
+    )
 
 
 def merge_output(acc: dict[str, RequestOutput], out: RequestOutput) -> None:

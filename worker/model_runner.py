@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 import weakref
 from dataclasses import dataclass, field
 
@@ -58,6 +59,7 @@ class StepOutput:
     sampled: dict[Sequence, int] = field(default_factory=dict)
     failed: list[Sequence] = field(default_factory=list)
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for requests that asked
+    forward_s: float = 0.0  # the model's forward pass alone
 
 
 class ModelRunner:
@@ -73,13 +75,15 @@ class ModelRunner:
         fb = build_forward_batch(batch, self.kv.block_size, self.model.device)
         if self.lora is not None and (tokens := self.lora.batch(batch.seqs, batch.num_tokens)) is not None:
             fb.lora = LoraStep(tokens, self.lora)
+        started = time.perf_counter()
         logits = self.model.forward(fb, self.kv.k, self.kv.v)
+        forward_s = time.perf_counter() - started
         sampled_seqs = [
             s
             for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
             if s.num_computed_tokens + n == s.num_tokens
         ]
-        out = StepOutput()
+        out = StepOutput(forward_s=forward_s)
         if not sampled_seqs:
             return out
         params = [s.sampling for s in sampled_seqs]

@@ -10,6 +10,7 @@ from protocol.requests import FinishReason, GenerationRequest, InvalidRequestErr
 from worker.checkpoint import Checkpoint
 from worker.detokenizer import IncrementalDetokenizer
 from worker.engine import LLMEngine
+from worker.step_trace import StepRow, StepTrace
 
 
 @pytest.fixture
@@ -211,3 +212,23 @@ def test_static_modes_give_the_same_greedy_tokens(tiny: Checkpoint, mode: str) -
     static = run(mode)
     assert static == run("continuous")
     assert [len(static[f"r{i}"]) for i in range(6)] == lengths
+
+
+def test_step_observers_see_every_step_as_scheduled(tiny_engine: LLMEngine) -> None:
+    """The public step hook that benchmarks time by: one trace per step that ran, its rows as the
+    scheduler planned them (before the step moved them on), its phases inside the step."""
+    traces: list[StepTrace] = []
+    stop = tiny_engine.add_step_observer(traces.append)
+    steps_before = tiny_engine.stats().num_steps
+    a, b = tiny_engine.tokenizer.encode("first prompt here"), tiny_engine.tokenizer.encode("second")
+    tiny_engine.run_to_completion(
+        [_req("a", a, max_tokens=3, ignore_eos=True), _req("b", b, max_tokens=3, ignore_eos=True)]
+    )
+    assert len(traces) == tiny_engine.stats().num_steps - steps_before == 3
+    assert traces[0].rows == (StepRow(len(a), 0, True), StepRow(len(b), 0, True))  # both prefills
+    assert traces[1].rows == (StepRow(1, len(a), True), StepRow(1, len(b), True))  # then decodes
+    for t in traces:
+        assert 0 < t.forward_s < t.step_s and 0 <= t.schedule_s < t.step_s
+    stop()
+    tiny_engine.run_to_completion([_req("c", a, max_tokens=2, ignore_eos=True)])
+    assert len(traces) == 3  # removed: it sees no more steps
