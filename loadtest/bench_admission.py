@@ -36,6 +36,7 @@ from typing import Any
 
 import redis
 
+from loadtest.markdown import render
 from tenancy.admission_local import LocalAdmission
 from tenancy.admission_redis import RedisAdmission
 from tenancy.directory import TenantCatalog, TenantDirectory, TenantEntry
@@ -222,40 +223,7 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def markdown(report: dict[str, Any]) -> str:
-    v, w = report["versions"], report["workload"]
-    lines = [
-        "# Admission benchmark",
-        "",
-        f"Run {report['when']} by `python -m loadtest.bench_admission`. {w['description']}",
-        "",
-        f"Client: one Python {v['python']} asyncio process pinned to CPU {w['client_cpu']} "
-        f"({v['cpu_model']}, {v['cpus_online']} CPUs online, shared with Redis and other work); "
-        f"redis-py {v['redis_py']}, hiredis {v['hiredis'] or 'not installed'}; "
-        f"Redis {report['server']['redis_version']} on the same host over TCP loopback. "
-        f"Host load average (1 min) {report['load_average_before'][0]:.1f} before, "
-        f"{report['load_average_after'][0]:.1f} after: other jobs shared the 2 cores, which mostly shows "
-        "in the p99 column (preemption) and in run-to-run spread.",
-        "",
-        "| workload | in flight | calls/s | p50 ms | p99 ms | client CPU µs/call |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in report["results"]:
-        lines.append(
-            f"| {r['workload']} | {r['concurrency']} | {r['per_second']:,.0f} | {r['p50_ms']:.3f} | "
-            f"{r['p99_ms']:.3f} | {r['client_cpu_us_per_call']:.0f} |"
-        )
-    t = report["targets"]
-    lines += [
-        "",
-        f"Targets: p50 < {TARGET_P50_MS} ms at concurrency 1 -> **{t['p50_ms_at_c1']:.3f} ms**; "
-        f">= {TARGET_RATE:,.0f} admissions/s from one process -> **{t['best_admissions_per_s']:,.0f}/s** "
-        f"(met: {t['met']}).",
-        "",
-        "`admit+finish` rows count requests (two script calls each). Latency includes client-side",
-        "queueing when many calls are in flight; the single-flight row is the per-request latency.",
-        "",
-    ]
-    return "\n".join(lines)
+    return render("admission.md.j2", report=report, target_p50_ms=TARGET_P50_MS, target_rate=TARGET_RATE)
 
 
 def run(args: argparse.Namespace) -> int:

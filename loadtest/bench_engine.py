@@ -40,6 +40,7 @@ import torch
 
 from loadtest import peer_vllm
 from loadtest.machine import cpu_info, cpu_line
+from loadtest.markdown import render
 from loadtest.words import BENCHMARK_WORDS
 from protocol.engine_config import EngineConfig, SchedulingMode
 from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
@@ -512,143 +513,15 @@ def _peer_mode(dtype: str) -> str:
     return "vllm" if dtype == "float32" else f"vllm_{dtype}"
 
 
-def _cell(m: dict[str, Any], key: str, fmt: str) -> str:
-    return format(m[key], fmt) if key in m else "-"
-
-
 def to_markdown(report: dict[str, Any]) -> str:
-    w = report["workload"]
-    lines = [
-        "# Engine benchmark",
-        "",
-        f"Model {report['model']} ({report['dtype']}, {report['device']}), {w['requests']} requests "
-        f"(seed {w['seed']}), output tokens {w['output_min']}-{w['output_max']} "
-        f"(mean {w['output_mean']:.0f}, median {w['output_median']}), "
-        f"prompts {w['prompt_min']}-{w['prompt_max']} "
-        f"tokens, all submitted at once; max_num_seqs {w['max_num_seqs']} (HF cohorts of the same size), "
-        f"token budget {w['max_num_batched_tokens']}. Every engine serves one short warm-up request "
-        "before its timed run.",
-        "",
-        "| mode | dtype | requests/s | output tokens/s | mean batch | occupancy | non-compute share "
-        "| wall s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
-    ]
     order = ["continuous", "static", "static_no_padding", "hf_static"]
     order += sorted(k for k in report["modes"] if k not in order)
-    for name in order:
-        m = report["modes"].get(name)
-        if m:
-            share = m.get("step_time", {}).get("non_compute_share")
-            lines.append(
-                f"| {name} | {m.get('dtype', 'float32')} | {m['requests_per_s']:.3f} "
-                f"| {m['output_tokens_per_s']:.1f} | {_cell(m, 'mean_batch_size', '.1f')} "
-                f"| {_cell(m, 'mean_batch_occupancy', '.0%')} "
-                f"| {'-' if share is None else format(share, '.1%')} | {m['wall_s']:.1f} |"
-            )
-    if report.get("native_bf16") is False:
-        lines += [
-            "",
-            "No bfloat16 rows: this CPU has no native bf16 (neither avx512_bf16 nor amx_bf16), so Loom "
-            "keeps float32 here (bf16 would be emulated, docs/adr/0003) and the comparison with vLLM is "
-            "in float32 only.",
-        ]
-    lines += ["", "| ratio | value |", "|---|---:|"]
-    lines += [f"| {k} | {v:.2f}x |" for k, v in report["ratios"].items()]
-    timed = [(k, m) for k, m in report["modes"].items() if "step_time" in m]
-    if timed:
-        lines += [
-            "",
-            "Where a Loom step's time goes (mean per step of the timed run): the scheduler, the model's "
-            "forward pass, and the rest of `LLMEngine.step` (batch building, sampling, sequence "
-            "updates, detokenization). Non-compute share = (step - forward) / step.",
-            "",
-            "| mode | dtype | steps | step ms | schedule ms | forward ms | other ms | non-compute share |",
-            "|---|---|---:|---:|---:|---:|---:|---:|",
-        ]
-        for k, m in timed:
-            t = m["step_time"]
-            lines.append(
-                f"| {k} | {m.get('dtype', 'float32')} | {t['steps']} | {t['step_ms']:.2f} "
-                f"| {t['schedule_ms']:.3f} | {t['forward_ms']:.2f} | {t['other_ms']:.3f} "
-                f"| {t['non_compute_share']:.1%} |"
-            )
-    for a in report.get("agreement", []):
-        lines += [
-            "",
-            f"Greedy top-1 agreement in {a['dtype']}, Loom against transformers' LlamaForCausalLM on the "
-            f"same weights in {a['dtype']} (the engine tests' {a['prompts']} prompts, next-token argmax "
-            f"at each position of Loom's continuation): **{a['agree']}/{a['positions']} "
-            f"({a['top1_agreement']:.1%})**, {a['prompts_all_agree']} of {a['prompts']} prompts agree "
-            "at every position.",
-        ]
-    peer = report.get("peer")
-    if peer:
-        pv = peer.get("versions", {})
-        lines += [
-            "",
-            f"Peer: vLLM {pv.get('vllm', '?')} (CPU build, torch {pv.get('torch', '?')}) in its own "
-            "venv, offline `LLM.generate` over the same token-id prompts and output lengths (greedy, "
-            "ignore-eos, exact counts checked), same max_num_seqs and token budget, chunked prefill; "
-            "only the generate call is timed.",
-            "",
-            "| dtype | OpenMP cores (reserved) | KV GiB | prefix caching | compilation | preloaded "
-            "| init s | outputs identical to Loom's | common-prefix tokens | Loom tokens/s before, after |",
-            "|---|---|---:|---|---|---|---:|---:|---:|---|",
-        ]
-        for dtype, r in peer["runs"].items():
-            c, same, env = r["config"], r["same_tokens_as_loom"], r["env"]
-            lines.append(
-                f"| {dtype} | {env.get('VLLM_CPU_OMP_THREADS_BIND', '?')} "
-                f"({env.get('VLLM_CPU_NUM_OF_RESERVED_CPU', '?')}) | {r['kv_cache_gib']} "
-                f"| {c.get('enable_prefix_caching', '?')} | {c.get('compilation_mode', '?')} "
-                f"| {' '.join(r.get('ld_preload', [])) or 'none'} "
-                f"| {r['init_s']} | {same['identical_requests']}/{same['requests']} "
-                f"| {same['common_prefix_share']:.1%} "
-                f"| {', '.join(f'{x:.1f}' for x in r.get('loom_output_tokens_per_s', []))} |"
-            )
-        lines += [
-            "",
-            "Loom / vLLM ratios divide the mean of Loom's runs before and after the peer's (its row "
-            "above, and a rerun right after vLLM's in the same dtype) by vLLM's: the machine's speed "
-            "drifts over minutes, and the bracket moves both sides of the ratio with it.",
-        ]
-    r = report.get("roofline")
-    if r:
-        lines += [
-            "",
-            "Decode steps against this CPU's roofline: max(weight + KV bytes at the measured copy "
-            "bandwidth, FLOPs at the measured fp32 GEMM rate, the faster of torch.mm and oneDNN's "
-            "prepacked linear at 2048x2048x2048), both measured right before and right after each "
-            "probe's steps, the higher of the two counting. Median of 10 steps. The sequential "
-            "bound runs a step's two phases one after the other, as a step does: max(weight bytes, "
-            "GEMM FLOPs) for the projections and LM head, plus max(KV bytes, attention FLOPs).",
-            "",
-            "| batch | context | step ms | decode tokens/s | copy GB/s, GEMM GFLOP/s | memory-bound ms "
-            "| compute-bound ms | step / roofline | sequential bound ms | step / sequential bound |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in report.get("roofline_points", [r]):
-            mark = " (saturation)" if p is r or p == r else ""
-            x = "x" if "step_over_sequential_bound" in p else ""
-            m = p.get("machine", report["machine"])
-            lines.append(
-                f"| {p['batch']}{mark} | {p['context']} | {p['step_ms']:.1f} | {p['tokens_per_s']:.0f} "
-                f"| {m['memory_bandwidth_gb_s']:.1f}, {m['matmul_gflop_s']:.0f} "
-                f"| {p['memory_bound_ms']:.1f} | {p['compute_bound_ms']:.1f} "
-                f"| {p['step_over_roofline']:.2f}x | {_cell(p, 'sequential_bound_ms', '.1f')} "
-                f"| {_cell(p, 'step_over_sequential_bound', '.2f')}{x} |"
-            )
-        lines += [
-            "",
-            f"At saturation (the batch with the most decode tokens/s) a step takes "
-            f"**{r['step_over_roofline']:.2f}x** the roofline.",
-        ]
-    v = report["versions"]
-    lines += [
-        "",
-        "Versions: " + ", ".join(f"{k} {val}" for k, val in v.items()) + f". Date {report['date']}.",
-    ]
-    return "\n".join(lines) + "\n"
+    return render(
+        "engine.md.j2",
+        report=report,
+        modes=[(k, report["modes"][k]) for k in order if report["modes"].get(k)],
+        timed=[(k, m) for k, m in report["modes"].items() if "step_time" in m],
+    )
 
 
 def run_benchmark(

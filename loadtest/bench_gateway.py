@@ -33,6 +33,7 @@ import aiohttp
 import httpx
 
 from loadtest.machine import cpu_line
+from loadtest.markdown import render
 
 RESULTS_DIR = Path(__file__).parent / "results"
 
@@ -213,47 +214,7 @@ def versions() -> dict[str, str]:
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    p, a = report["paths"], report["added"]
-    lines = [
-        "# Gateway overhead",
-        "",
-        f"{report['requests']} sequential one-token greedy completions per path (a 10-character prompt, tiny "
-        "random model, one engine replica on CPU), the paths interleaved round-robin in one run; Redis "
-        f"admission on the local Redis server. Date {report['date']}. CPU: {report.get('cpu', '?')}.",
-        "",
-        "`gateway` is the gRPC front (grpc.aio client); `http_stream` and `http_whole` are the "
-        "OpenAI-compatible front (an aiohttp client, keep-alive, the client of vLLM's serving benchmark), "
-        "`/v1/completions` streamed as server-sent events and answered whole; `http_stream_httpx` is the "
-        "streamed front through httpx, the `openai` SDK's transport. Clients run in the gateway's process "
-        "and on the same cores, so a client's own cost is counted too.",
-        "",
-        "| path | p50 ms | p99 ms | mean ms |",
-        "|---|---:|---:|---:|",
-    ]
-    names = ("engine_inprocess", "serve_handle", "gateway", "http_stream", "http_whole", "http_stream_httpx")
-    for name in names:
-        lines.append(
-            f"| {name} | {p[name]['p50_ms']:.2f} | {p[name]['p99_ms']:.2f} | {p[name]['mean_ms']:.2f} |"
-        )
-    lines += [
-        "",
-        "Added by the gateway (gRPC + auth + validation + tokenization + Redis admit/finish) over "
-        f"calling the Serve replica directly: **p50 {a['gateway_over_serve_handle_p50_ms']:.2f} ms**, "
-        f"p99 {a['gateway_over_serve_handle_p99_ms']:.2f} ms. Over the in-process engine "
-        f"(Ray dispatch included): p50 {a['gateway_over_engine_p50_ms']:.2f} ms, "
-        f"p99 {a['gateway_over_engine_p99_ms']:.2f} ms.",
-        "",
-        "The HTTP front against the gRPC front (same path behind both): streamed "
-        f"**p50 {a['http_stream_over_grpc_p50_ms']:+.2f} ms**, "
-        f"p99 {a['http_stream_over_grpc_p99_ms']:+.2f} ms; "
-        f"whole p50 {a['http_whole_over_grpc_p50_ms']:+.2f} ms, "
-        f"p99 {a['http_whole_over_grpc_p99_ms']:+.2f} ms (target: within 1 ms of gRPC at p50). "
-        f"Through httpx the streamed front measures p50 {a['http_stream_httpx_over_grpc_p50_ms']:+.2f} ms "
-        "over gRPC: the difference to the aiohttp row is the client library's own time.",
-        "",
-        "Versions: " + ", ".join(f"{k} {v}" for k, v in report["versions"].items()) + ".",
-    ]
-    return "\n".join(lines) + "\n"
+    return render("gateway.md.j2", report=report)
 
 
 def run_benchmark(

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.machine import cpu_line
+from loadtest.markdown import render
 
 RESULTS_DIR = Path(__file__).parent / "results"
 LIMIT_BYTES = 1_000_000  # worker.api.LIMITS.max_prompt_bytes
@@ -249,63 +250,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    p, f = report["phases"], report["flood"]
-    lines = [
-        "# Tokenization cannot stall the gateway",
-        "",
-        f"One tenant keeps {report['streams']} greedy streams (200 tokens each, gRPC) going through the "
-        f"gateway while, in the middle phase, {report['senders']} senders of another tenant (a separate "
-        "process) send 1 MB prompts round robin: a gRPC prompt of exactly the 1,000,000-byte limit "
-        "(validated, tokenized off the event loop, refused for the context), one of 1 MiB (refused before "
-        "tokenizing), the limit-size prompt as a chat message, and over the HTTP front. "
-        f"{report['phase_seconds']:g} s per phase, one run; tiny random model, one Ray Serve replica, Redis "
-        f"admission. Date {report['date']}. CPU: {report['cpu']}.",
-        "",
-        "Gap between consecutive tokens of the streaming tenant's streams (ms):",
-        "",
-        "| phase | gaps | p50 | p99 | p99.9 | max | tokens/s |",
-        "|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    labels = {"alone": "alone", "with_1mb_senders": "with the 1 MB senders", "alone_again": "alone again"}
-    for name, label in labels.items():
-        g = p[name]
-        lines.append(
-            f"| {label} | {g['gaps']} | {g['p50_ms']:.2f} | {g['p99_ms']:.2f} | {g['p999_ms']:.2f} | "
-            f"{g['max_ms']:.1f} | {g['tokens_per_s']:.0f} |"
-        )
-    lines += [
-        "",
-        "How late the gateway's event loop woke a coroutine sleeping 5 ms (its stalls, directly; ms):",
-        "",
-        "| phase | p50 | p99 | max |",
-        "|---|---:|---:|---:|",
-        *(
-            f"| {label} | {lag['p50_ms']:.2f} | {lag['p99_ms']:.2f} | {lag['max_ms']:.1f} |"
-            for label, lag in ((labels[name], p[name]["event_loop_lag"]) for name in labels)
-        ),
-        "",
-        f"The senders sent {f.get('megabytes_sent_per_s', 0):.1f} MB/s; their answers:",
-        "",
-        "| request | answers | p50 ms |",
-        "|---|---|---:|",
-        *(
-            f"| {kind} | {', '.join(f'{c} {n}' for c, n in codes.items())} | {f['answer_p50_ms'][kind]:.0f} |"
-            for kind, codes in f.get("requests", {}).items()
-        ),
-        "",
-        "Everything shares the machine's cores (the gateway, its tokenizing thread, the engine replica, the "
-        "senders' process), so the middle phase measures CPU contention as well as the event loop.",
-        "",
-        "What this benchmark found (same machine, 2026-12-01): HF tokenizers' `encode` held the GIL for the "
-        "whole tokenization, so tokenizing in a worker thread still stopped the event loop for about a "
-        "second per 1 MB prompt (with the senders: token gaps p99 456-923 ms, max 1.3-1.6 s, 39-159 "
-        "tokens/s, and Redis calls timed out into fail-static mode). `worker/tokenizer.py` now encodes "
-        "large texts with `encode_batch`, which releases the GIL: event-loop lag max 138 ms, but gaps p99 "
-        "355 ms at 157 tokens/s, the engine starved of CPU by several 1 MB tokenizations at once. The "
-        "gateway now tokenizes one large prompt at a time (`LARGE_TOKENIZE_SLOTS`, "
-        "`gateway/request_path.py`): the figures above.",
-    ]
-    return "\n".join(lines) + "\n"
+    return render("isolation.md.j2", report=report)
 
 
 def run_benchmark(

@@ -28,6 +28,7 @@ import torch
 
 from loadtest.bench_engine import make_workload
 from loadtest.machine import cpu_line
+from loadtest.markdown import render
 from loadtest.tiny_model import save_random_adapter
 from protocol.adapters import LoraRequest
 from protocol.engine_config import EngineConfig
@@ -126,28 +127,7 @@ def run_benchmark(
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    w = report["workload"]
-    lines = [
-        "# Multi-LoRA throughput",
-        "",
-        f"{w['requests']} seeded chat requests (seed {w['seed']}, output lengths up to {w['max_output']}, "
-        f"greedy, ignore-eos, all submitted at once), max_num_seqs {w['max_num_seqs']}, {w['model']} in "
-        f"{w['dtype']}; "
-        f"random PEFT adapters of rank {w['rank']} on {', '.join(w['targets'])}, requests spread round-robin "
-        f"over the adapters. One process run, {report['torch_threads']} torch threads, {report['date']}. "
-        f"CPU: {report['cpu']}.",
-        "",
-        "| run | slots | output tokens/s | of base | adapter loads | load p50 ms |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for name, r in report["runs"].items():
-        load = "" if r["adapter_load_ms_p50"] is None else f"{r['adapter_load_ms_p50']:.1f}"
-        lines.append(
-            f"| {name} | {r['slots']} | {r['output_tokens_per_s']:.1f} | {r['of_base']:.2f} | "
-            f"{r['adapter_loads']} | {load} |"
-        )
-    lines += ["", "Target: 16 adapters in the mix keep >= 0.80 of the base model's throughput."]
-    return "\n".join(lines) + "\n"
+    return render("lora.md.j2", report=report)
 
 
 def _main(args: argparse.Namespace) -> int:

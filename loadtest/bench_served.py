@@ -27,6 +27,7 @@ from rich.console import Console
 from loadtest.generator import plan_workload
 from loadtest.loadtest_cli import run_workload
 from loadtest.machine import cpu_info, cpu_line
+from loadtest.markdown import render
 from loadtest.report import write_report
 from loadtest.soak_server import SECRET, ServedLoom
 from loadtest.workload import Workload, load_workload, parse_workload
@@ -227,96 +228,7 @@ def _f(x: Any, fmt: str = ".2f") -> str:
 
 
 def to_markdown(summary: dict[str, Any], meta: dict[str, Any]) -> str:
-    lines = [
-        "# Served-system experiments (`loom bench served`)",
-        "",
-        f"{meta['date']}; {meta['cpu']}; the embedded SmolLM2-135M-Instruct (float32), one engine replica,",
-        "gateway, engine and load client on the same cores; open-loop Poisson arrivals (seed 0), long-tailed",
-        "output caps (the model may stop earlier: tokens are counted as streamed). Workloads in",
-        "`loadtest/workloads/`; each run's report, plots and per-request records in `served/<run>/`.",
-        "",
-    ]
-    if "knee" in summary:
-        k = summary["knee"]
-        lines += [
-            "## The knee of the embedded model (`knee-embedded.yaml`, [report](served/knee/report.md))",
-            "",
-            "| offered req/s | started req/s | output tok/s | TTFT p50 | TTFT p99 | ITL p50 | ITL p99 |",
-            "|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in k["points"]:
-            lines.append(
-                f"| {_f(p['offered_rps'])} | {_f(p['started_rps'])} | {_f(p['output_tokens_per_s'], '.1f')} "
-                f"| {_f(p['ttft_p50_s'], '.3f')} | {_f(p['ttft_p99_s'], '.3f')} "
-                f"| {_f(p['itl_p50_s'], '.3f')} | {_f(p['itl_p99_s'], '.3f')} |"
-            )
-        knee, top = k["knee"], k["max_sustained"]
-        lines += [
-            "",
-            f"Knee (highest offered rate kept up with p99 TTFT within the SLO): "
-            f"{_f(knee and knee['offered_rps'])} req/s, "
-            f"{_f(knee and knee['output_tokens_per_s'], '.1f')} tok/s; "
-            f"highest rate kept up at all: {_f(top and top['offered_rps'])} req/s.",
-            "",
-        ]
-    if "batching" in summary:
-        b = summary["batching"]
-        lines += [
-            "## Static vs continuous batching, served (`batching.yaml`; "
-            "[static](served/batching-static/report.md), "
-            "[continuous](served/batching-continuous/report.md))",
-            "",
-            "| mode | output tok/s | completed req/s | TTFT p50 | TTFT p99 | step-busy | slot occupancy"
-            " | useful tokens |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for mode in ("static", "continuous"):
-            r = b[mode]
-            lines.append(
-                f"| {mode} | {_f(r['output_tokens_per_s'], '.1f')} | {_f(r['requests_per_s'])} "
-                f"| {_f(r['ttft_p50_s'])} s | {_f(r['ttft_p99_s'])} s | {_f(r['busy_fraction'])} "
-                f"| {_f(r['slot_occupancy'])} | {_f(r['useful_token_fraction'])} |"
-            )
-        lines += [
-            "",
-            f"Continuous / static completed requests: {_f(b['continuous_over_static_requests'])}x.",
-            "",
-        ]
-    if "priority" in summary:
-        p = summary["priority"]
-        lines += [
-            "## Priority protection (`priority.yaml`: chat interactive at 0.5 req/s, bulk batch at 5 req/s)",
-            "",
-            "| | chat TTFT p99 | bulk output tok/s |",
-            "|---|---:|---:|",
-            f"| alone | {_f(p['chat_ttft_p99_alone_s'], '.3f')} s "
-            f"| {_f(p['bulk_tokens_per_s_alone'], '.1f')} |",
-            f"| beside, priority on | {_f(p['chat_ttft_p99_beside_priority_on_s'], '.3f')} s "
-            f"| {_f(p['bulk_tokens_per_s_beside_on'], '.1f')} |",
-            f"| beside, priority off | {_f(p['chat_ttft_p99_beside_priority_off_s'], '.3f')} s "
-            f"| {_f(p['bulk_tokens_per_s_beside_off'], '.1f')} |",
-            "",
-            f"- With priority, chat's p99 TTFT is {_f(p['on_minus_alone_in_steps'], '.1f')} engine steps "
-            f"above its value alone (mean step at the flood {_f(p['flood_mean_step_s'], '.3f')} s; "
-            "target <= 2).",
-            f"- With priority / without: {_f(p['on_over_off'], '.3f')} (target < 0.10). Without priority"
-            " classes the two tenants still get weighted fair shares inside the one class, so chat (far"
-            " behind bulk in tokens served) is admitted ahead of bulk's backlog anyway: the baseline is"
-            " fair share alone, not first-come-first-served.",
-            f"- Bulk keeps {_f(p['bulk_kept'])} of its throughput alone (target >= 0.80).",
-            "",
-        ]
-    if "fairness" in summary:
-        f = summary["fairness"]
-        lines += [
-            "## Weighted fair share (`fairness.yaml`: two saturating tenants, weights 1 and 3)",
-            "",
-            f"light {_f(f['light_tokens_per_s'], '.1f')} tok/s, "
-            f"heavy {_f(f['heavy_tokens_per_s'], '.1f')} tok/s: "
-            f"heavy / light = {_f(f['heavy_over_light'])} (target 3 within 10%: 2.7-3.3).",
-            "",
-        ]
-    return "\n".join(lines)
+    return render("served.md.j2", summary=summary, meta=meta, num=_f)
 
 
 def run_benchmark(out: Path, only: set[str] | None) -> dict[str, Any]:

@@ -40,6 +40,7 @@ import numpy as np
 from common import Priority
 from loadtest.costmodel import Deployment, Hardware, ModelShape, StepItem, cpu_hardware, step_cost
 from loadtest.generator import PlannedRequest
+from loadtest.markdown import render
 from loadtest.simulator import EngineSpec, Simulator
 from loadtest.stats import percentile
 from protocol.engine_config import EngineConfig, SchedulingMode
@@ -464,93 +465,13 @@ def _pct(x: float | None, signed: bool = False) -> str:
 
 
 def to_markdown(rep: dict[str, Any]) -> str:
-    f = rep["fitted"]
-    m = rep["machine"]
-    s = rep["summary"]
-    g = rep["gemm_paths_ms"]
-    L = [
-        "# Cost-model calibration (CPU variant)",
-        "",
-        f"The real engine (`LLMEngine`, {rep['model']}, {rep['dtype']}, {rep['torch_threads']} threads, "
-        "prefix caching off) serves short seeded workloads, all requests submitted at once (prompts "
-        "lognormal(48, 0.6) in [8, 256] tokens of random ids, outputs lognormal(32, 1.0) in [4, 200], "
-        "exact); every step's batch and duration is recorded. Each run is served three times; the "
-        "engine schedules identical batches every time (checked), so each step keeps its fastest "
-        "duration, which strips the stalls other jobs on this shared machine cause; wall time, TTFT and "
-        "E2E are rebuilt from those minima (each pass's own wall time is listed too). Produced by "
-        f"`loom bench calibrate` on {rep['date']}. Machine: {m['memory_bandwidth_gb_s']} GB/s copy "
-        f"bandwidth, {m['matmul_gflop_s']} GFLOP/s fp32 GEMM (best of two measurements, as the engine "
-        "benchmark takes them).",
-        "",
-        "Fitted on the two `fit` runs only, on their steps whose GEMMs all have 8 rows or more: memory "
-        f"efficiency {f['mem_efficiency']} and compute efficiency {f['compute_efficiency']} "
-        f"(effective {rep['effective_mem_bw_gb_s']:.1f} GB/s and {rep['effective_matmul_gflop_s']:.0f} "
-        f"GFLOP/s), {'max (overlap)' if f['overlap'] else 'sum (no overlap)'} of the two, host "
-        f"{f['host_step_ms']} ms per step + {f['host_per_seq_us']} us per sequence + "
-        f"{f['host_per_token_us']} us per token; steps with a GEMM of fewer than {f['small_gemm_rows']} "
-        f"rows: {f['small_gemm_extra_ms']} ms more (the median of what the model leaves unexplained on "
-        "them, see below).",
-        "",
-        "| run | mode | seqs / budget | steps (small-GEMM time) | step err median / p90 | "
-        "sum of steps err | small-GEMM steps err median | bare roofline median | passes s "
-        "| wall s measured / simulated | wall err (without the small-GEMM term) | TTFT mean err "
-        "| E2E p50 err |",
-        "|---|---|---|---:|---:|---:|---:|---:|---|---:|---:|---:|---:|",
-    ]
-    for r in rep["runs"]:
-        e, sm, ro = r["step_err_fast"], r["step_err_small"], r["step_err_roofline"]
-        run, pure = r["run_fitted"], r["run_pure"]
-        name = r["name"] + (" (held out)" if r["held_out"] else " (fitted on)")
-        n = e["steps"] + (sm["steps"] if sm else 0)
-        L.append(
-            f"| {name} | {r['mode']} | {r['max_num_seqs']} / {r['max_num_batched_tokens']} "
-            f"| {n} ({r['small_gemm_time_share']:.0%}) "
-            f"| {_pct(e['median_abs_err'])} / {_pct(e['p90_abs_err'])} "
-            f"| {_pct(e['total_step_time_err'], True)} | {_pct(sm['median_abs_err']) if sm else '-'} "
-            f"| {_pct(ro['median_abs_err'])} | {', '.join(f'{w:.1f}' for w in r['pass_walls_s'])} "
-            f"| {run['measured_wall_s']:.1f} / {run['simulated_wall_s']:.1f} "
-            f"| {_pct(run['wall_err'], True)} ({_pct(pure['wall_err'], True)}) "
-            f"| {_pct(run['ttft_mean_err'], True)} | {_pct(run['e2e_p50_err'], True)} |"
-        )
-    L += [
-        "",
-        "**Error on held-out runs**: per step (GEMMs of 8+ rows) median "
-        f"{_pct(s['holdout_step_median_abs_err'])}, "
-        f"p90 {_pct(s['holdout_step_p90_abs_err'])}, sum of step times within "
-        f"{_pct(s['holdout_total_step_time_abs_err_max'])}; whole-run wall time within "
-        f"{_pct(s['holdout_wall_abs_err_max'])} "
-        f"({_pct(s['holdout_wall_abs_err_max_without_small_gemm_term'])} "
-        f"without the small-GEMM term); mean TTFT within {_pct(s['holdout_ttft_mean_abs_err_max'])}, "
-        f"median E2E within {_pct(s['holdout_e2e_p50_abs_err_max'])}. The bare roofline (no host costs, "
-        f"full efficiency) is off by a median {_pct(s['roofline_only_step_median_abs_err'])} per step.",
-        "",
-        "**Small GEMMs (an engine finding).** Steps with 1-7 rows in a GEMM (the tail of a run, when few "
-        "sequences are left) take about 2-3x what the roofline model predicts. The cause is "
-        "`worker/dense.py`: below 8 rows it uses plain `F.linear` instead of its prepacked oneDNN "
-        "weights, on the belief that plain streams a single row faster. At 2-7 rows it is "
-        f"{_ratio(g, 2, 7)} slower here, at 1 row {_ratio(g, 1, 1)} "
-        f"(lm_head {g['shape'][0]}x{g['shape'][1]}, fp32, ms per call, fastest of 15):",
-        "",
-        "| rows | " + " | ".join(str(x) for x in g["rows"]) + " |",
-        "|---|" + "---:|" * len(g["rows"]),
-        "| plain `F.linear` | " + " | ".join(f"{x:.2f}" for x in g["plain"]) + " |",
-        "| prepacked oneDNN | " + " | ".join("-" if x is None else f"{x:.2f}" for x in g["packed"]) + " |",
-        "",
-        f"Taking the packed path from {_min_rows(g)} row(s) up (`_PACKED_MIN_ROWS = {_min_rows(g)}`) would "
-        "make those tail steps match the model and cut the last requests' "
-        "latency in every drain. The GPU model has no such term (its batches are 16-256 wide).",
-        "",
-        "The fitted parameters are not unique: memory time, compute time and host costs trade off "
-        "against each other across the steps a workload produces, and re-runs of this calibration on "
-        "the shared machine land on different combinations with the same held-out error. Read them as "
-        "one consistent description of this engine on this CPU, not as measured rates.",
-        "",
-        "The machine is shared (2 cores, other jobs running); the per-step minimum over three passes "
-        "removes most of that noise, not all. What this validates is the method (the real scheduler on "
-        "a virtual clock with a bytes/FLOPs step model reproduces a real engine's steps and runs), not "
-        "the GPU parameters, which are stated inputs.",
-    ]
-    return "\n".join(L) + "\n"
+    return render(
+        "calibration.md.j2",
+        rep=rep,
+        pct=_pct,
+        ratio=_ratio,
+        packed_min_rows=_min_rows(rep["gemm_paths_ms"]),
+    )
 
 
 def register(sub: argparse._SubParsersAction) -> None:

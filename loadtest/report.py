@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.generator import Plan
+from loadtest.markdown import render
 from loadtest.prometheus import series, summarize_samples, utilization, utilization_series
 from loadtest.runner import RunResult, describe_plan, records_of, stage_window
 from loadtest.stats import SloSpec, find_knee, grouped, sweep_point, timeline
@@ -112,116 +113,15 @@ def _ms(x: Any) -> str:
     return f"{float(x) * 1e3:.0f}"
 
 
-def _lat(s: dict[str, Any]) -> str:
-    return f"{_ms(s['p50'])} / {_ms(s['p90'])} / {_ms(s['p99'])}"
-
-
-def _group_table(groups: dict[str, dict[str, Any]], label: str) -> list[str]:
-    lines = [
-        f"| {label} | requests | OK | codes | TTFT ms p50/p90/p99 | ITL ms p50/p90/p99 | E2E ms p50/p90/p99 "
-        "| out tok/s | req/s | goodput req/s (share) |",
-        "|---|---:|---:|---|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, g in groups.items():
-        codes = ", ".join(f"{k} {v}" for k, v in g["codes"].items() if k != "OK") or "-"
-        lines.append(
-            f"| {name} | {g['requests']} | {g['ok']} | {codes} | {_lat(g['ttft_s'])} | {_lat(g['itl_s'])} "
-            f"| {_lat(g['e2e_s'])} | {g['output_tokens_per_s']:.1f} | {g['requests_per_s']:.2f} "
-            f"| {g['goodput_rps']:.2f} ({g['goodput_fraction']:.0%}) |"
-        )
-    return lines
-
-
 def to_markdown(rep: dict[str, Any]) -> str:
-    w = rep["workload"]
-    slo = w["slo"]
-    L = [
-        f"# Load test `{w['name']}` (run {rep['run_id']})",
-        "",
-        f"{rep['date']}; target {_targets(rep)}, model "
-        f"`{w['target']['model']}`; {rep['plan']['requests']} requests planned (seed {w['seed']}"
-        f"{', truncated by max_requests' if rep['plan']['truncated_by_max_requests'] else ''}), "
-        f"wall {rep['wall_s']:.1f} s. SLO: TTFT <= {slo['ttft_s'] * 1e3:.0f} ms and mean ITL (TPOT) <= "
-        f"{slo['itl_s'] * 1e3:.0f} ms. TTFT counts from the planned arrival (open loop); ITL is the gap "
-        "between streamed chunks; throughput counts what arrived inside each stage's arrival window.",
-    ]
-    if w.get("description"):
-        L += ["", w["description"]]
-    if rep["skipped_stages"]:
-        L += ["", f"Not run (max_seconds reached): {', '.join(rep['skipped_stages'])}."]
-    sweep = rep.get("sweep")
-    if sweep:
-        knee, top = sweep["knee"], sweep["max_sustained"]
-        L += [
-            "",
-            "## Rate sweep",
-            "",
-            "| offered req/s | started req/s | completed req/s | out tok/s | TTFT p50 / p99 ms "
-            "| ITL p50 / p99 ms "
-            "| goodput req/s | refused |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
-        ]
-        for p in sweep["points"]:
-            L.append(
-                f"| {p['offered_rps']:.2f} | {p['started_rps']:.2f} | {p['achieved_rps']:.2f} "
-                f"| {p['output_tokens_per_s']:.1f} | {_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} "
-                f"| {_ms(p['itl_p50_s'])} / {_ms(p['itl_p99_s'])} | {p['goodput_rps']:.2f} | {p['refused']} |"
-            )
-        knee_text = (
-            f"Knee (highest rate kept up with, p99 TTFT within the SLO): **{knee['offered_rps']:.2f} req/s**"
-            if knee
-            else "Knee: none (p99 TTFT over the SLO at every rate)"
-        )
-        top_text = f"; highest rate kept up with at all: {top['offered_rps']:.2f} req/s." if top else "."
-        L += ["", knee_text + top_text, "", "![knee](knee.png)"]
-    for st in rep["stages"]:
-        s = st["stats"]
-        title = "Results" if len(rep["stages"]) == 1 else f"Stage {st['name']}"
-        L += ["", f"## {title}", ""]
-        L += _group_table({"all": s["overall"]}, "group")
-        L += ["", *_group_table(s["tenants"], "tenant")]
-        L += ["", *_group_table(s["priorities"], "priority (requested)")]
-        if len(s["tenant_priority"]) > len(s["tenants"]):
-            L += ["", *_group_table(s["tenant_priority"], "tenant/priority")]
-        if s.get("fronts"):
-            L += ["", *_group_table(s["fronts"], "front")]
-        lag = s["overall"]["send_lag_s"]
-        if lag["n"]:
-            L += [
-                "",
-                f"Client send lag (actual - planned send time): p50 {_ms(lag['p50'])} ms, "
-                f"p99 {_ms(lag['p99'])} ms"
-                " (large values mean the client, not the server, was the bottleneck).",
-            ]
-        if st["engine"]:
-            L += [
-                "",
-                "Engine gauges over the window (from the gateway's /metrics), mean / max:",
-                "",
-                "| replica | running | waiting | KV cache used | step-busy fraction |",
-                "|---|---:|---:|---:|---:|",
-            ]
-            for replica, g in st["engine"].items():
-
-                def mm(name: str, pct: bool = False, g: dict[str, Any] = g) -> str:
-                    v = g.get(name)
-                    if not v:
-                        return "-"
-                    if pct:
-                        return f"{v['mean']:.0%} / {v['max']:.0%}"
-                    return f"{v['mean']:.1f} / {v['max']:.0f}"
-
-                L.append(
-                    f"| {replica} | {mm('num_requests_running')} | {mm('num_requests_waiting')} "
-                    f"| {mm('kv_cache_usage_perc', True)} | {mm('engine_busy_fraction', True)} |"
-                )
-        if st.get("utilization") is not None:
-            L += _utilization_table(st["utilization"], m_url=rep["metrics"]["url"])
-    m = rep["metrics"]
-    if m["url"]:
-        L += ["", f"Metrics: {m['samples']} scrapes of {m['url']}, {m['failed_scrapes']} failed."]
-    L += ["", "![latency over time](latency.png)"]
-    return "\n".join(L) + "\n"
+    return render(
+        "report.md.j2",
+        rep=rep,
+        targets=_targets(rep),
+        ms=_ms,
+        pct=_pct,
+        utilization_rows=_utilization_rows,
+    )
 
 
 def _targets(rep: dict[str, Any]) -> str:
@@ -240,60 +140,9 @@ def _pct(x: Any) -> str:
     return "-" if x is None else f"{float(x):.1%}"
 
 
-def _utilization_table(u: dict[str, Any], m_url: str | None) -> list[str]:
-    if not m_url:
-        return []
-    rows = dict(u["replicas"])
-    if u.get("all"):
-        rows["all replicas"] = u["all"]
-    L = [""]
-    if not rows:
-        return [
-            "",
-            "Utilization: no replica had two scrapes of the engine counters inside the window "
-            "(the gateway may predate them, or the window is shorter than the scrape interval).",
-        ]
-    bw = u.get("copy_bandwidth_gbs")
-    L += [
-        "Utilization over the window, from the replicas' counters (docs/utilization.md): step-busy = "
-        "step seconds / wall seconds; slot occupancy = live-sequence step seconds / (step seconds x "
-        "batch capacity); useful tokens = 1 - (padding + recomputed) / computed; KV = blocks in use / "
-        "blocks, mean / max over the scrapes; GB/s = bytes the steps moved (weights + K/V read and "
-        "written) per wall second and per second of step time.",
-        "",
-        "| replica | window s | step-busy | slot occupancy | useful tokens | KV blocks in use "
-        "| steps/s | mean step ms | GB/s wall / in steps | MBU in steps / wall |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for name, f in rows.items():
-        mbu = f"{_pct(f['mbu'])} / {_pct(f['mbu_wall'])}" if f.get("mbu") is not None else "-"
-        step_ms = f"{f['mean_step_s'] * 1e3:.1f}" if f.get("mean_step_s") is not None else "-"
-        busy_gbs = f"{f['gb_per_s_busy']:.2f}" if f.get("gb_per_s_busy") is not None else "-"
-        restarts = (
-            f" ({f['restarts']} restart{'s' if f['restarts'] != 1 else ''})" if f.get("restarts") else ""
-        )
-        L.append(
-            f"| {name}{restarts} | {f['wall_s']:.1f} | {_pct(f['busy_fraction'])} "
-            f"| {_pct(f['slot_occupancy'])} | {_pct(f['useful_token_fraction'])} "
-            f"| {_pct(f['kv_blocks_in_use'])} / "
-            f"{_pct(f['kv_blocks_in_use_max'])} | {f['steps_per_s']:.1f} | {step_ms} "
-            f"| {f['gb_per_s_wall']:.2f} / {busy_gbs} | {mbu} |"
-        )
-    if bw:
-        L += [
-            "",
-            f"MBU = bytes moved per second of step time / the copy bandwidth given ({bw:g} GB/s, "
-            "--copy-bandwidth-gbs); 'wall' divides by wall time instead.",
-        ]
-    else:
-        L += [
-            "",
-            "MBU is left empty: no copy bandwidth was given (--copy-bandwidth-gbs, measured on the "
-            "serving machine); the bytes moved are reported in GB/s instead.",
-        ]
-    if u.get("skipped"):
-        L += ["", f"Fewer than two scrapes in the window, not reported: {', '.join(u['skipped'])}."]
-    return L
+def _utilization_rows(u: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Each replica's utilization figures and, where there are, all replicas' together."""
+    return dict(u["replicas"]) | ({"all replicas": u["all"]} if u.get("all") else {})
 
 
 # ---- plots -----------------------------------------------------------------------------------------

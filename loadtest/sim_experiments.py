@@ -31,6 +31,7 @@ from typing import Any
 
 from loadtest.costmodel import HARDWARE, LLAMA3_8B, LLAMA3_70B, MODELS, SMOLLM2_135M, Deployment
 from loadtest.generator import PlannedRequest, plan_workload
+from loadtest.markdown import render
 from loadtest.simulator import EngineSpec, SimResult, Simulator
 from loadtest.stats import SloSpec, find_knee, keeps_up, sweep_point
 from loadtest.workload import Workload, load_workload
@@ -454,271 +455,26 @@ def _ms(x: Any) -> str:
 
 
 def to_markdown(rep: dict[str, Any]) -> str:
-    ref = rep["workloads"]["reference"]
-    hw = rep["hardware"]
-    L = [
-        "# Simulator: GPU-scale utilization, knees, KV waste, shared vs dedicated",
-        "",
-        "The real scheduler and block manager (worker.api) on a virtual clock; each step's duration from "
-        "the bytes/FLOPs cost model of `loadtest/costmodel.py` "
-        "(`max(bytes/bandwidth, FLOPs/matrix rate, layers x launch) + all-reduce + host`). "
-        f"Produced by `loom bench simulate` on {rep['date']}; deterministic (rerun gives the same numbers). "
-        "Definitions of every figure: [docs/utilization.md](../../docs/utilization.md).",
-        "",
-        "## Inputs",
-        "",
-        "| hardware | copy TB/s | bf16 TFLOP/s | memory GB | all-reduce GB/s, us | launch us/layer "
-        "| host ms/step, us/seq | $/GPU-h |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for h in hw.values():
-        L.append(
-            f"| {h['name']} | {h['mem_bw_tb_s']} | {h['matmul_tflop_s']} | {h['memory_gb']} "
-            f"| {h['allreduce_bus_bw_gb_s']}, {h['allreduce_latency_us']} | {h['launch_per_layer_us']} "
-            f"| {h['host_step_ms']}, {h['host_per_seq_us']} | {h['price_per_hour_usd']:.2f} |"
-        )
-    L += [
-        "",
-        "H200: measured copy bandwidth and achieved bf16 GEMM rate. H100 SXM: its datasheet "
-        "(3.35 TB/s, 989 TFLOP/s) scaled by the H200's achieved fractions (0.90, 0.80). Tensor parallel: "
-        "weights, KV heads and FLOPs split evenly; two all-reduces per layer of tokens x hidden x 2 bytes "
-        "(ring: 2(tp-1)/tp of the message over the bus bandwidth, plus a 10 us latency each). Host costs "
-        "are stated (not measured on a GPU host); prices are stated list-price-like assumptions.",
-        "",
-        "| deployment | params B | weights GB/GPU | KV KiB/token | KV GB/GPU | KV capacity tokens |",
-        "|---|---:|---:|---:|---:|---:|",
-    ]
-    for d in rep["deployments"]:
-        L.append(
-            f"| {d['model']} on {d['tp']}x{d['hardware']} | {d['params_b']} | {d['weight_gb_per_device']} "
-            f"| {d['kv_kib_per_token']} | {d['kv_budget_gb_per_device']} | {d['kv_capacity_tokens']:,} |"
-        )
-    e = rep["engine"]
-    L += [
-        "",
-        f"Engine: max_num_seqs {e['max_num_seqs']}, token budget {e['max_num_batched_tokens']} "
-        f"(chunked prefill), block size {e['block_size']}, max_model_len {e['max_model_len']}, bf16, "
-        "90% of device memory, 3 GiB kept for activations; prefix caching off (no shared prefixes). "
-        f"Workload `sim-reference`: prompts lognormal(median {ref['prompt']['median']:g}, sigma "
-        f"{ref['prompt']['sigma']:g}) clipped to [{ref['prompt']['min']}, {ref['prompt']['max']}] tokens, "
-        f"outputs lognormal(median {ref['output']['median']:g}, sigma {ref['output']['sigma']:g}) clipped "
-        f"to [{ref['output']['min']}, {ref['output']['max']}] (exact, as ignore_eos), priorities "
-        + ", ".join(f"{k} {v:.0%}" for k, v in ref["priorities"].items())
-        + f"; SLO p99 TTFT <= {ref['slo']['ttft_s']} s (goodput also TPOT <= "
-        f"{ref['slo']['itl_s'] * 1e3:.0f} ms).",
-        "",
-        "## 1. Static vs continuous batching at saturation",
-        "",
-        f"{rep['saturation'][0]['requests']} requests submitted at once. busy: step-busy fraction; slots: "
-        "live sequences / 256; useful: tokens of live requests / tokens computed; MBU/MFU: bytes (FLOPs) "
-        "moved per busy second over the copy bandwidth (GEMM rate); KV: mean share of blocks in use.",
-        "",
-        "| model | GPU | mode | tok/s | tok/s/GPU | x static | busy | slots | useful | MBU | MFU | KV used "
-        "| bound by |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
-    ]
     static_tps = {
         (r["model"], r["hardware"]): r["output_tokens_per_s"]
         for r in rep["saturation"]
         if r["mode"] == "static"
     }
-    for r in rep["saturation"]:
-        u = r["utilization"]
-        b = u["bound_time_share"]
-        bound = ", ".join(f"{k} {v:.0%}" for k, v in b.items() if v >= 0.05)
-        L.append(
-            f"| {r['model']} | {r['tp']}x{r['hardware']} | {r['mode']} | {r['output_tokens_per_s']:,.0f} "
-            f"| {r['output_tokens_per_s_per_gpu']:,.0f} "
-            f"| {r['output_tokens_per_s'] / static_tps[(r['model'], r['hardware'])]:.2f}x "
-            f"| {_pct(u['step_busy_fraction'])} | {_pct(u['slot_occupancy'])} "
-            f"| {_pct(u['useful_token_fraction'])} "
-            f"| {_pct(u['mbu_busy'])} | {_pct(u['mfu_busy'])} | {_pct(u['kv_blocks_used_mean'])} | {bound} |"
-        )
-    L += [
-        "",
-        "Every mode keeps the GPU 100% step-busy here (the queue never empties): static batching loses in "
-        "what the steps hold, not in idle time: cohort slots sit empty (or compute padding) until the "
-        "longest member ends. SmolLM2 is launch-bound at every batch size: 30 layers of Python-launched "
-        "kernels (1.8 ms) dwarf its 0.27 GB of weights (0.09 ms at 3 TB/s); CUDA graphs would be its fix.",
-        "",
-        "## 2. The knee of each model",
-        "",
-        "Poisson arrivals from a tenth of the all-at-once throughput, growing 1.5x per point until the "
-        "model stops keeping up, then two more points inside each bracket and one 20% past (about 1200 "
-        "requests or "
-        "15 s per point; window = the arrival window; requests unfinished 60 s after it count as "
-        "infinitely late). *Max sustained*: the highest rate where at least 95% of the offered requests "
-        "get their first token inside the window, or no priority class's TTFT drifts by more than "
-        "0.05 s per second of arrival time over the window's last two thirds (static batching's long "
-        "cohorts leave a cohort of arrivals waiting at the end of any window): the queue is not "
-        "growing (`loadtest.stats.keeps_up`); "
-        "*knee*: the highest rate where, in addition, p99 TTFT stays within the SLO (at every lower rate "
-        "too). Resolution: the spacing of the points (about 12%).",
-        "",
-        "| model | GPU | mode | max sustained req/s | knee req/s | tok/s at knee | p50 / p99 TTFT ms | "
-        "p50 / p99 ITL ms | busy | slots | MBU |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
-    for k in rep["knees"]:
-        p, m = k["knee"], k["max_sustained"]
-        sus = f"{m['offered_rps']:.1f}" if m else "-"
-        if p is None:
-            L.append(
-                f"| {k['model']} | {k['tp']}x{k['hardware']} | {k['mode']} | {sus} "
-                "| none: p99 TTFT over the SLO at every rate | - | - | - | - | - | - |"
-            )
-            continue
-        L.append(
-            f"| {k['model']} | {k['tp']}x{k['hardware']} | {k['mode']} | {sus} "
-            f"| {p['offered_rps']:.1f} | {p['output_tokens_per_s']:,.0f} "
-            f"| {_ms(p['ttft_p50_s'])} / {_ms(p['ttft_p99_s'])} "
-            f"| {_ms(p['itl_p50_s'])} / {_ms(p['itl_p99_s'])} "
-            f"| {_pct(p['step_busy_fraction'])} | {_pct(p['slot_occupancy'])} | {_pct(p['mbu_busy'])} |"
-        )
-    L += [
-        "",
-        "H100 against H200: the H200 has 1.43x the bandwidth and 1.76x the memory on the same compute die "
-        "(the same GEMM rate here), so it gains where steps are memory-bound (decode-heavy, the 8B); "
-        "where they are compute-bound (the 70B with 2048-token prefill chunks) the two knees agree "
-        "within the sweep's resolution.",
-        "",
-        "Plots: "
-        + ", ".join(f"[`{_knee_png(k)}`]({_knee_png(k)})" for k in rep["knees"] if k["mode"] == "continuous")
-        + ".",
-    ]
-    over = [k for k in rep["knees"] if k["mode"] == "continuous" and k["hardware"] == "h100"]
-    if over:
-        L += [
-            "",
-            "Strict priority classes past the knee (continuous, H100, p99 TTFT in ms per class at the two "
-            "highest rates swept; the mix is 20% interactive, 60% standard, 20% batch):",
-            "",
-            "| model | offered | interactive | standard | batch |",
-            "|---|---:|---:|---:|---:|",
-        ]
-        for k in over:
-            for p in k["points"][-2:]:
-                by = p["ttft_p99_by_priority_s"]
-                L.append(
-                    f"| {k['model']} | {p['offered_rps']:.1f} req/s | {_ms(by.get('interactive'))} "
-                    f"| {_ms(by.get('standard'))} | {_ms(by.get('batch'))} |"
-                )
-    L += [
-        "",
-        "## 3. KV memory: paged blocks vs contiguous reservations",
-        "",
-        "Waste = 1 - (KV slots holding tokens of live requests) / (slots reserved), time-averaged over "
-        "busy time, for the sequences resident in the paged run (continuous, saturation, H100). "
-        "`contiguous max_len` reserves the model length (4096) per sequence at admission, "
-        "`prompt+cap` the prompt plus a client max_tokens of 1024, `oracle` the prompt plus the exact "
-        "output length (the best any up-front reservation can do). vLLM reports 60-80% waste before "
-        "paging and under 4% with it.",
-        "",
-        "| model | GPU | paged (16-token blocks) | contiguous max_len | contiguous prompt+cap "
-        "| contiguous oracle |",
-        "|---|---|---:|---:|---:|---:|",
-    ]
-    for r in rep["kv"]:
-        if r["kv_layout"] != "paged":
-            continue
-        w = r["kv_waste"]
-        L.append(
-            f"| {r['model']} | {r['tp']}x{r['hardware']} | {_pct(w['allocated'])} "
-            f"| {_pct(w['contiguous_max_len'])} "
-            f"| {_pct(w['contiguous_prompt_plus_cap'])} | {_pct(w['contiguous_oracle'])} |"
-        )
-    L += [
-        "",
-        "The same requests re-run with a real max-length reservation (one 4096-token block per sequence, "
-        "same KV memory, same scheduler):",
-        "",
-        "| model | GPU | KV layout | max concurrent | mean live batch | tok/s | p99 TTFT ms | KV waste |",
-        "|---|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for r in rep["kv"]:
-        w = r["kv_waste"]["allocated"]
-        L.append(
-            f"| {r['model']} | {r['tp']}x{r['hardware']} | {r['kv_layout']} | {r['max_concurrent_seqs']} "
-            f"| {r['mean_live_batch']:.0f} | {r['output_tokens_per_s']:,.0f} | {_ms(r['ttft_p99_s'])} "
-            f"| {_pct(w)} |"
-        )
     paged = {r["model"]: r for r in rep["kv"] if r["kv_layout"] == "paged"}
-    costs = []
+    kv_costs = []  # (contiguous run, paged run, the share of tokens/s lost) where KV memory binds
     for r in rep["kv"]:
         p = paged.get(r["model"])
         if r["kv_layout"] == "contiguous" and p and r["max_concurrent_seqs"] < p["max_concurrent_seqs"]:
-            loss = 1 - r["output_tokens_per_s"] / p["output_tokens_per_s"]
-            costs.append(
-                f"{r['model']}: at most {r['max_concurrent_seqs']} sequences instead of "
-                f"{p['max_concurrent_seqs']}, {loss:.0%} fewer tokens/s"
-            )
-    if costs:
-        L += [
-            "",
-            "Where KV memory binds, the reservation's waste costs throughput ("
-            + "; ".join(costs)
-            + "); where it does not (SmolLM2 on an 80 GB GPU), only memory is wasted.",
-        ]
-    L += ["", "## 4. Shared pool vs dedicated endpoints", ""]
-    for s in rep["shared_vs_dedicated"]:
-        sh = rep["workloads"]["shared"]
-        L += [
-            f"**{s['model']} on {s['tp']}x{s['hardware']}** ({s['tenants']} tenants of `{sh['name']}`, "
-            f"rates x{s['rate_scale']:g}: each bursts for a quarter of every minute, out of phase; "
-            f"{s['offered_rps_mean']:.1f} req/s offered on average over {s['window_s']:.0f} s; "
-            f"SLO: every tenant's p99 TTFT <= {sh['slo']['ttft_s']} s; least-loaded routing; "
-            f"${s['price_per_gpu_hour_usd']:.2f} per GPU-hour).",
-            "",
-            "| setup | replicas | GPUs | p99 TTFT ms (per tenant) | step-busy | $ per M output tokens |",
-            "|---|---:|---:|---|---:|---:|",
-        ]
-        for d in s["dedicated"]:
-            L.append(
-                f"| dedicated: {d['tenant']} | {d['replicas']} | {d['gpus']} | {_ms(d['ttft_p99_s'])} "
-                f"| {_pct(d['step_busy_fraction'])} | |"
-            )
-        L.append(
-            f"| **dedicated, all** | | **{s['dedicated_gpus']}** | "
-            f"| {_pct(s['dedicated_step_busy_fraction_mean'])} "
-            f"| **{s['cost_per_million_tokens_dedicated_usd']:.3f}** |"
-        )
-        p99s = ", ".join(_ms(v) for v in s["shared_ttft_p99_by_tenant_s"].values())
-        L.append(
-            f"| **shared pool** | {s['shared_replicas']} | **{s['shared_gpus']}** | {p99s} "
-            f"| {_pct(s['shared_step_busy_fraction'])} | **{s['cost_per_million_tokens_shared_usd']:.3f}** |"
-        )
-        L += ["", f"The shared pool needs {s['gpu_saving']:.0%} fewer GPUs for the same SLO.", ""]
-    cal = rep.get("calibration")
-    if cal:
-        f = cal["fitted"]
-        L += [
-            "## Calibration of the CPU variant",
-            "",
-            "The same cost model with this machine's measured rates and fitted efficiencies and host "
-            "costs, against the real engine (SmolLM2-135M, fp32) on held-out runs "
-            "([`calibration.md`](calibration.md)): per-step median error "
-            f"{_pct(cal['holdout_step_median_abs_err'])} (p90 {_pct(cal['holdout_step_p90_abs_err'])}), "
-            f"whole-run wall time within {_pct(cal['holdout_wall_abs_err_max'])}, mean TTFT within "
-            f"{_pct(cal['holdout_ttft_mean_abs_err_max'])}. That needs one CPU-only term: steps with a GEMM "
-            f"of fewer than {f['small_gemm_rows']} rows cost {f['small_gemm_extra_ms']:.0f} ms more, "
-            "because the engine's dense layer takes a slow path there (an engine finding, in "
-            "calibration.md); without it the whole-run error is "
-            f"{_pct(cal['holdout_wall_abs_err_max_without_small_gemm_term'])}.",
-            "",
-        ]
-    L += [
-        "## Limits",
-        "",
-        "- The GPU rates are achieved-rate inputs, not a kernel model: attention, norms and sampling are "
-        "folded into the weight/KV bytes and GEMM FLOPs; the CPU calibration shows how far such a model "
-        "is from a real engine on the machine it was fitted on, not on a GPU.",
-        "- Host overheads (1 ms/step, 10 us/seq, 60 us/layer of launches) are assumptions for this "
-        "Python engine without CUDA graphs; they decide SmolLM2's numbers entirely and matter little "
-        "for 8B/70B.",
-        "- One stand-in token per step per sequence: output lengths are exact (ignore_eos); "
-        "no speculative decoding, no prefix sharing, no preemption swap (recompute only, as the engine).",
-    ]
-    return "\n".join(L) + "\n"
+            kv_costs.append((r, p, 1 - r["output_tokens_per_s"] / p["output_tokens_per_s"]))
+    return render(
+        "simulator.md.j2",
+        rep=rep,
+        static_tps=static_tps,
+        kv_costs=kv_costs,
+        pct=_pct,
+        ms=_ms,
+        knee_png=_knee_png,
+    )
 
 
 def _knee_png(k: dict[str, Any]) -> str:

@@ -43,6 +43,7 @@ import redis
 from common import Priority
 from gateway.grpc.client import LoomClient
 from loadtest.machine import cpu_line
+from loadtest.markdown import render
 from loadtest.soak_fuzz import Target, fuzz
 from loadtest.soak_server import SECRET, ServedLoom, replica_gauges, rss_mb
 from loadtest.soak_streams import (
@@ -579,89 +580,12 @@ def _summary(
 
 
 def to_markdown(report: dict[str, Any]) -> str:
-    leaks = report.get("leaks", {})
-    cfg = report["config"]
-    mem = report["memory"]
-    lines = [
-        "# Soak",
-        "",
-        f"`loom soak --minutes {cfg['minutes']:g}` on {report['date']}: {report['load_seconds']:.0f} s "
-        f"of load from {cfg['concurrency']} clients (and the disconnect bursts) against `loom serve` with "
-        f"{cfg['replicas']} engine replicas of a tiny random model and the Redis tenant store on a "
-        f"private redis-server, loopback only. CPU: {report['cpu']}.",
-        "",
-        f"**Verdict: {report['verdict']}** ({report['problems']} problems).",
-        "",
-        "| | |",
-        "|---|---:|",
-        f"| requests | {report['requests']} |",
-        f"| by front | {', '.join(f'{k} {v}' for k, v in report['requests_by_front'].items())} |",
-        f"| by code | {', '.join(f'{k} {v}' for k, v in report['requests_by_code'].items())} |",
-        f"| completed | {report['completed']} |",
-        f"| abandoned by their client | {report['abandoned_by_client']} |",
-        f"| tokens received | {report['tokens_received']} |",
-        f"| tokens verified against the greedy reference | {report['tokens_verified']} "
-        f"({report['streams_verified']} streams) |",
-        f"| token mismatches (lost, duplicated, reordered, wrong) | {report['token_mismatches']} |",
-    ]
-    if leaks:
-        lines += [
-            f"| replicas not idle at the end | {leaks['replicas_not_idle']} (of {leaks['replicas_seen']}; "
-            f"{leaks['kv_blocks_held']:g} KV blocks held) |",
-            f"| leases left in Redis | {leaks['leases_left']} |",
-            f"| requests charged less than delivered | {leaks['under_billed']} |",
-            f"| requests charged more than allowed | {leaks['over_billed']} |",
-            f"| requests never settled | {leaks['unsettled']} |",
-            f"| tenants whose metered usage differs from their charges | {leaks['usage_mismatch']} |",
-            f"| preemptions (surviving replicas) | {leaks['preemptions']:g} |",
-        ]
-    if "memory_still_growing" in report:
-        limit = cfg.get("max_growth_mb_per_min", SoakConfig.max_growth_mb_per_min)
-        lines.append(
-            f"| processes whose memory still grows over {limit:g} MiB/min at the end "
-            f"| {len(report['memory_still_growing'])} |"
-        )
-    lines += [
-        "",
-        "Faults injected: " + ", ".join(f"{k} x{v}" for k, v in report["faults_by_kind"].items()) + ".",
-        "",
-        "| at s | fault | detail |",
-        "|---:|---|---|",
-        *(f"| {f['at_s']:.0f} | {f['kind']} | {f['detail']} |" for f in report["faults"]),
-    ]
-    if "tenants" in report:
-        lines += [
-            "",
-            "Per tenant: tokens its clients received, what its requests were charged (each request's record "
-            "in Redis), and the usage metered; a request its client abandoned may be charged the tokens "
-            "already on their way to it (charged minus received, by count of requests).",
-            "",
-            "| tenant | requests sent | metered | tokens received | charged | metered | charged - received |",
-            "|---|---:|---:|---:|---:|---:|---|",
-        ]
-        for name, b in report["tenants"].items():
-            slack = ", ".join(f"{k}: {v}" for k, v in b["charged_minus_received"].items())
-            lines.append(
-                f"| {name} | {b['requests_sent']} | {b['requests_metered']} | {b['tokens_received']} | "
-                f"{b['tokens_charged']} | {b['tokens_metered']} | {slack} |"
-            )
-    lines += [
-        "",
-        "Resident memory (MiB) of the `loom serve` process (the gateway and Ray's driver) and of each engine "
-        "replica process (a killed replica is replaced by a new process); the rate is the growth over the "
-        "process's last two minutes, per minute (none for a process that lived less than three):",
-        "",
-        "| process | first | last | max | growth | MiB/min at the end |",
-        "|---|---:|---:|---:|---:|---:|",
-        *(
-            f"| {name} | {g['first_mb']} | {g['last_mb']} | {g['max_mb']} | {g['growth_mb']} | "
-            f"{g['mb_per_min_at_end'] if g['mb_per_min_at_end'] is not None else '-'} |"
-            for name, g in _processes(mem)
-        ),
-        "",
-        f"The server exited with status {report.get('server_exit_code')} after SIGTERM (drain).",
-    ]
-    return "\n".join(lines) + "\n"
+    return render(
+        "soak.md.j2",
+        report=report,
+        default_growth_limit=SoakConfig.max_growth_mb_per_min,
+        processes=_processes(report["memory"]),
+    )
 
 
 def write(report: dict[str, Any], out_dir: Path, name: str = "soak") -> None:
@@ -713,25 +637,7 @@ async def _healthy(client: LoomClient, model: str) -> bool:
 
 def fuzz_markdown(report: dict[str, Any]) -> str:
     codes = sorted({c for per_kind in report["codes"].values() for c in per_kind})
-    lines = [
-        "# Fuzz (`loom soak --fuzz N`)",
-        "",
-        "Generated requests over both fronts of a `loom serve` it starts (tiny random model): random field",
-        "values, invalid UTF-8, truncated and garbage bodies, oversized metadata, near-miss keys. A problem",
-        "is a code outside the expected set (UNKNOWN, INTERNAL, HTTP 500), internals in a message, or a",
-        "near-miss key served.",
-        "",
-        f"{report['cases']} fuzz cases in {report['seconds']:.0f} s; problems: {report['problem_count']}; "
-        f"healthy afterwards: {report['healthy_after']}; verdict: {report['verdict']}",
-        "",
-        "| case kind | " + " | ".join(codes) + " |",
-        "|---|" + "---:|" * len(codes),
-    ]
-    for kind, per_code in report["codes"].items():
-        lines.append(f"| {kind} | " + " | ".join(str(per_code.get(c, "")) for c in codes) + " |")
-    for p in report["problems"][:10]:
-        lines.append(f"- {p['kind']} ({p['note']}): {p['code']}: {p['problems']}")
-    return "\n".join(lines) + "\n"
+    return render("fuzz.md.j2", report=report, codes=codes)
 
 
 # ---- the command --------------------------------------------------------------------------------------

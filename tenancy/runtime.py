@@ -20,7 +20,6 @@ Both: a background task settles lapsed leases (gateways that died mid-stream) ev
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 from pathlib import Path
@@ -43,6 +42,7 @@ from tenancy.store_file import (
     save_state_file,
     state_path_for,
 )
+from tenancy.tasks import cancel_and_wait
 from tenancy.watch_file import FileTenantWatcher
 from tenancy.watch_redis import RedisTenantWatcher
 
@@ -124,11 +124,9 @@ class Tenancy:
         self._sweep_task = asyncio.get_running_loop().create_task(self._sweep_loop(), name="lease-sweep")
 
     async def stop(self) -> None:
-        for task in (self._sweep_task, self._flush_task):
-            if task is not None:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+        running = [t for t in (self._sweep_task, self._flush_task) if t is not None]
+        for task in await cancel_and_wait(running):
+            log.warning("background task %s did not stop; abandoned", task.get_name())
         self._sweep_task = self._flush_task = None
         try:
             self.flush_state()

@@ -32,6 +32,7 @@ from tenancy.redis_client import async_client, async_pubsub_client
 from tenancy.redis_layout import RedisLayout
 from tenancy.settings import TenancySettings
 from tenancy.store_redis import decode_entry
+from tenancy.tasks import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -110,24 +111,14 @@ class RedisTenantWatcher:
         """Cancel the watch and close its connections. A task cancelled inside a Redis read can stay
         stuck in it (seen: 11 s, and a test that never ended), so the wait is bounded and the
         connections are closed under a stuck task, which ends its read."""
-        for task in self._tasks:
-            task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=STOP_WAIT_S)
+        stuck = await cancel_and_wait(self._tasks, timeout_s=STOP_WAIT_S, rounds=1)
         for client in self._owned:
             with contextlib.suppress(Exception):
                 await client.aclose()
         self._owned = []
-        stuck = [t for t in self._tasks if not t.done()]
-        for task in stuck:  # its read has failed by now: the cancel lands (a reconnect must not)
-            task.cancel()
-        if stuck:
-            _, still = await asyncio.wait(stuck, timeout=STOP_WAIT_S)
-            for task in still:
-                log.warning("tenant watch task %s did not stop; abandoned", task.get_name())
-        for task in self._tasks:
-            if task.done() and not task.cancelled():
-                task.exception()  # retrieved: an error while stopping is not worth a warning at exit
+        # Their reads have failed by now: the cancels land (and a reconnect must not follow).
+        for task in await cancel_and_wait(stuck, timeout_s=STOP_WAIT_S):
+            log.warning("tenant watch task %s did not stop; abandoned", task.get_name())
         self._tasks = []
 
     # -- resync -----------------------------------------------------------------------------------
