@@ -113,12 +113,6 @@ _PER_REPLICA: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] =
     ("loom:kv_cache_blocks_total", "gauge", "KV blocks of the replica.", lambda s: s.kv_blocks_total),
     ("loom:batch_capacity", "gauge", "Sequences a step may hold (max_num_seqs).", lambda s: s.max_num_seqs),
     ("loom:last_step_seqs", "gauge", "Live requests in the latest step.", lambda s: s.last_step_seqs),
-    (
-        "loom:last_step_padding_seqs",
-        "gauge",
-        "Ended requests still computed in the latest step (static batching).",
-        lambda s: s.last_step_padding_seqs,
-    ),
     ("loom:last_step_tokens", "gauge", "Tokens computed in the latest step.", lambda s: s.last_step_tokens),
     (
         "loom:engine_busy_fraction",
@@ -147,12 +141,6 @@ _PER_REPLICA: tuple[tuple[str, str, str, Callable[[EngineStats], float]], ...] =
         lambda s: s.recomputed_tokens,
     ),
     ("loom:engine_computed_tokens", "counter", "Tokens run through the model.", lambda s: s.computed_tokens),
-    (
-        "loom:engine_padding_tokens",
-        "counter",
-        "Tokens computed for static-batching padding (waste).",
-        lambda s: s.padding_tokens,
-    ),
     ("loom:num_preemptions", "counter", "Sequences preempted (recomputed).", lambda s: s.num_preemptions),
     (
         "loom:prefix_cache_queries",

@@ -41,8 +41,9 @@ import torch
 from loadtest import peer_vllm
 from loadtest.machine import cpu_info, cpu_line
 from loadtest.markdown import render
+from loadtest.static_batching import Batching
 from loadtest.words import BENCHMARK_WORDS
-from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.engine_config import EngineConfig
 from protocol.requests import GenerationRequest, RequestOutput, SamplingParams
 from worker.api import Checkpoint, LLMEngine, StepTrace, load_checkpoint
 
@@ -154,7 +155,7 @@ WARMUP_TOKENS = 4
 def run_engine(
     ckpt: Checkpoint,
     items: list[WorkItem],
-    mode: SchedulingMode,
+    mode: Batching,
     max_num_seqs: int,
     max_num_batched_tokens: int,
     dtype: str = "float32",
@@ -166,7 +167,7 @@ def run_engine(
         EngineConfig(
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
-            scheduling=mode,
+            scheduler_cls=mode.scheduler_cls,
             dtype=dtype,
         ),
         ckpt,
@@ -584,13 +585,13 @@ def run_benchmark(
             (out_dir / "engine.partial.json").write_text(json.dumps(report, indent=2) + "\n")
 
     loom_tokens: dict[str, list[list[int]]] = {}
-    for mode in SchedulingMode if static else [SchedulingMode.CONTINUOUS]:
+    for mode in Batching if static else [Batching.CONTINUOUS]:
         log(f"running {mode} ...")
         tokens: list[list[int]] = []
         report["modes"][str(mode)] = run_engine(
             ckpt, items, mode, max_num_seqs, max_num_batched_tokens, outputs=tokens
         )
-        if mode is SchedulingMode.CONTINUOUS:
+        if mode is Batching.CONTINUOUS:
             loom_tokens["float32"] = tokens
         log(f"  {report['modes'][str(mode)]}")
         save_partial()
@@ -603,7 +604,7 @@ def run_benchmark(
         report["modes"][name] = run_engine(
             ckpt,
             items,
-            SchedulingMode.CONTINUOUS,
+            Batching.CONTINUOUS,
             max_num_seqs,
             max_num_batched_tokens,
             dtype=dtype,
@@ -657,7 +658,7 @@ def run_benchmark(
                 runner=peer_runner,
                 python=peer_python,
                 loom_again=lambda dtype: run_engine(
-                    ckpt, items, SchedulingMode.CONTINUOUS, max_num_seqs, max_num_batched_tokens, dtype=dtype
+                    ckpt, items, Batching.CONTINUOUS, max_num_seqs, max_num_batched_tokens, dtype=dtype
                 ),
             )
         finally:

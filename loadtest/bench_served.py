@@ -30,6 +30,7 @@ from loadtest.machine import cpu_info, cpu_line
 from loadtest.markdown import render
 from loadtest.report import write_report
 from loadtest.soak_server import SECRET, ServedLoom
+from loadtest.static_batching import Batching
 from loadtest.workload import Workload, load_workload, parse_workload
 
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -83,7 +84,10 @@ def servers(only: set[str] | None) -> list[Server]:
         ),
         Server(
             "static batching",
-            {"LOOM_ENGINE_SCHEDULING": "static"},
+            {  # the benchmarks' scheduler subclass, imported by the replica from this checkout
+                "LOOM_ENGINE_SCHEDULER_CLS": str(Batching.STATIC.scheduler_cls),
+                "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+            },
             keep(Run("batching-static", "batching.yaml")),
         ),
     ]

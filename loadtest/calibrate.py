@@ -42,8 +42,9 @@ from loadtest.costmodel import Deployment, Hardware, ModelShape, StepItem, cpu_h
 from loadtest.generator import PlannedRequest
 from loadtest.markdown import render
 from loadtest.simulator import EngineSpec, Simulator
+from loadtest.static_batching import Batching
 from loadtest.stats import percentile
-from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.engine_config import EngineConfig
 from protocol.requests import GenerationRequest, SamplingParams
 from worker.api import Checkpoint, LLMEngine, load_checkpoint
 
@@ -59,7 +60,7 @@ class CalibrationRun:
     requests: int
     max_num_seqs: int
     max_num_batched_tokens: int
-    mode: SchedulingMode = SchedulingMode.CONTINUOUS
+    mode: Batching = Batching.CONTINUOUS
 
 
 RUNS = [
@@ -68,7 +69,7 @@ RUNS = [
     CalibrationRun("fit-24", 3, 48, 24, 384),
     # Held out: another width, and static batching.
     CalibrationRun("holdout-batch8", 1, 32, 8, 128),
-    CalibrationRun("holdout-static", 2, 24, 16, 256, SchedulingMode.STATIC),
+    CalibrationRun("holdout-static", 2, 24, 16, 256, Batching.STATIC),
 ]
 
 
@@ -151,7 +152,7 @@ def trace_engine(ckpt: Checkpoint, run: CalibrationRun, repeats: int = 3) -> Tra
         EngineConfig(
             max_num_seqs=run.max_num_seqs,
             max_num_batched_tokens=run.max_num_batched_tokens,
-            scheduling=run.mode,
+            scheduler_cls=run.mode.scheduler_cls,
             enable_prefix_caching=False,
         ),
         ckpt,

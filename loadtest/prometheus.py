@@ -8,7 +8,7 @@ gateway's ``/metrics`` and keeps, per replica (``pool/replica``):
   (mean / max) and joined into the report by time, so a latency spike can be read against the queue
   and the cache at that moment;
 * the engine's counters (``loom:engine_step_seconds_total``, ``..._step_seq_seconds_total``,
-  ``..._computed_tokens_total``, ``..._padding_tokens_total``, ``..._recomputed_tokens_total``,
+  ``..._computed_tokens_total``, ``..._recomputed_tokens_total``,
   ``..._step_bytes_total``, ``..._steps_total``) and the capacity gauges (``loom:batch_capacity``,
   ``loom:kv_cache_blocks_used`` / ``_total``), from which :func:`utilization` computes the figures of
   docs/utilization.md over any window: step-busy fraction, slot occupancy, useful-token fraction, KV
@@ -56,7 +56,6 @@ GAUGES = (RUNNING, WAITING, KV_USAGE, BUSY)  # summarized (mean / max) and plott
 STEP_SECONDS = "loom:engine_step_seconds_total"
 STEP_SEQ_SECONDS = "loom:engine_step_seq_seconds_total"
 COMPUTED_TOKENS = "loom:engine_computed_tokens_total"
-PADDING_TOKENS = "loom:engine_padding_tokens_total"
 RECOMPUTED_TOKENS = "loom:engine_recomputed_tokens_total"
 STEP_BYTES = "loom:engine_step_bytes_total"
 STEPS = "loom:engine_steps_total"
@@ -64,7 +63,6 @@ COUNTERS = (
     STEP_SECONDS,
     STEP_SEQ_SECONDS,
     COMPUTED_TOKENS,
-    PADDING_TOKENS,
     RECOMPUTED_TOKENS,
     STEP_BYTES,
     STEPS,
@@ -203,7 +201,6 @@ class ReplicaWindow:
     step_seq_seconds: float
     steps: float
     computed_tokens: float
-    padding_tokens: float
     recomputed_tokens: float
     step_bytes: float
     capacity: float  # batch capacity (max_num_seqs), its latest value in the window
@@ -245,7 +242,6 @@ def replica_window(points: Sequence[tuple[float, Mapping[str, float]]]) -> Repli
         step_seq_seconds=inc(STEP_SEQ_SECONDS),
         steps=inc(STEPS),
         computed_tokens=inc(COMPUTED_TOKENS),
-        padding_tokens=inc(PADDING_TOKENS),
         recomputed_tokens=inc(RECOMPUTED_TOKENS),
         step_bytes=inc(STEP_BYTES),
         capacity=capacity,
@@ -271,7 +267,9 @@ def utilization_figures(
 
     * ``busy_fraction``: step seconds / wall seconds (capped at 1; ``busy_fraction_raw`` is not);
     * ``slot_occupancy``: live-sequence step seconds / (step seconds x batch capacity);
-    * ``useful_token_fraction``: 1 - (padding + recomputed tokens) / computed tokens;
+    * ``useful_token_fraction``: 1 - recomputed tokens / computed tokens (static batching's padding,
+      a benchmark's scheduler subclass, is not among the engine's counters: bench engine and the
+      simulator count it);
     * ``kv_blocks_in_use``: blocks in use / blocks, mean over the scrapes (and the max of one replica);
     * ``gb_per_s_wall`` (bytes the steps moved per wall second, all replicas together) and
       ``gb_per_s_busy`` (per second of step time, per replica: the achieved bandwidth while stepping);
@@ -281,7 +279,7 @@ def utilization_figures(
     step_s = sum(w.step_seconds for w in windows)
     wall = sum(w.wall_s for w in windows)
     computed = sum(w.computed_tokens for w in windows)
-    waste = sum(w.padding_tokens + w.recomputed_tokens for w in windows)
+    waste = sum(w.recomputed_tokens for w in windows)
     step_bytes = sum(w.step_bytes for w in windows)
     steps = sum(w.steps for w in windows)
     kv = [w for w in windows if w.kv_used_mean is not None and w.kv_total]

@@ -12,10 +12,10 @@ import itertools
 from dataclasses import dataclass, field
 
 from common import Priority
-from protocol.engine_config import SchedulingMode
+from loadtest.static_batching import Batching
 from protocol.requests import FinishReason, SamplingParams
 from worker.block_manager import BlockManager
-from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from worker.scheduler import ScheduledBatch, SchedulerConfig
 from worker.sequence import Sequence
 
 _ids = itertools.count()
@@ -35,7 +35,7 @@ class SchedulerSim:
     max_num_batched_tokens: int = 64
     num_blocks: int = 256
     block_size: int = 4
-    mode: SchedulingMode = SchedulingMode.CONTINUOUS
+    mode: Batching = Batching.CONTINUOUS
     enable_prefix_caching: bool = True
     priority_classes: bool = True
     step_no: int = 0
@@ -44,11 +44,10 @@ class SchedulerSim:
 
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
-        self.scheduler = Scheduler(
+        self.scheduler = self.mode.scheduler(
             SchedulerConfig(
                 self.max_num_seqs,
                 self.max_num_batched_tokens,
-                self.mode,
                 priority_classes=self.priority_classes,
             ),
             self.bm,

@@ -33,9 +33,9 @@ from loadtest.costmodel import HARDWARE, LLAMA3_8B, LLAMA3_70B, MODELS, SMOLLM2_
 from loadtest.generator import PlannedRequest, plan_workload
 from loadtest.markdown import render
 from loadtest.simulator import EngineSpec, SimResult, Simulator
+from loadtest.static_batching import Batching
 from loadtest.stats import SloSpec, find_knee, keeps_up, sweep_point
 from loadtest.workload import Workload, load_workload
-from protocol.engine_config import SchedulingMode
 
 RESULTS_DIR = Path(__file__).parent / "results"
 WORKLOADS = Path(__file__).parent / "workloads"
@@ -44,7 +44,7 @@ SHARED = WORKLOADS / "sim-shared-vs-dedicated.yaml"
 
 # (model, tensor-parallel degree): the 70B needs 4 GPUs (141 GB of bf16 weights).
 MODEL_SETUPS = [(SMOLLM2_135M, 1), (LLAMA3_8B, 1), (LLAMA3_70B, 4)]
-MODES = [SchedulingMode.CONTINUOUS, SchedulingMode.STATIC, SchedulingMode.STATIC_NO_PADDING]
+MODES = [Batching.CONTINUOUS, Batching.STATIC, Batching.STATIC_NO_PADDING]
 
 Log = Callable[[str], None]
 
@@ -116,7 +116,7 @@ def saturation(workload: Workload, n: int, hardware: list[str], log: Log) -> lis
 def sweep_point_sim(
     workload: Workload,
     dep: Deployment,
-    mode: SchedulingMode,
+    mode: Batching,
     rate: float,
     requests_per_point: int = 1200,
     replicas: int = 1,
@@ -146,7 +146,7 @@ def sweep_point_sim(
 
 
 def adaptive_sweep(
-    workload: Workload, dep: Deployment, mode: SchedulingMode, start_rate: float, growth: float = 1.5
+    workload: Workload, dep: Deployment, mode: Batching, start_rate: float, growth: float = 1.5
 ) -> list[dict[str, Any]]:
     """Rates growing by ``growth`` from ``start_rate`` until the system stops keeping up; then two
     points inside each of the two brackets (last rate within the SLO / first past it, last rate kept
@@ -189,9 +189,9 @@ def knees(
         for model, tp in MODEL_SETUPS:
             dep = Deployment(model, HARDWARE[hw], tp)
             start = round(0.1 * capacity[(model.name, hw)], 4)
-            modes = [SchedulingMode.CONTINUOUS]
+            modes = [Batching.CONTINUOUS]
             if hw in (static_hardware if static_hardware is not None else hardware):
-                modes.append(SchedulingMode.STATIC)
+                modes.append(Batching.STATIC)
             for mode in modes:
                 t = time.perf_counter()
                 points = adaptive_sweep(workload, dep, mode, start)
@@ -534,7 +534,7 @@ def what_if(args: argparse.Namespace) -> dict[str, Any]:
     spec = EngineSpec(
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        mode=SchedulingMode(args.mode),
+        mode=Batching(args.mode),
         kv_layout=args.kv_layout,
     )
     plan = plan_workload(workload, rate=args.rate)
@@ -585,7 +585,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gpu", choices=sorted(HARDWARE), default="h100")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel GPUs per replica")
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--mode", choices=[str(m) for m in SchedulingMode], default="continuous")
+    p.add_argument("--mode", choices=[str(m) for m in Batching], default="continuous")
     p.add_argument("--kv-layout", choices=["paged", "contiguous"], default="paged")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)

@@ -2,9 +2,11 @@
 
 Each replica is Loom's own ``Scheduler`` over its own ``BlockManager`` (worker/scheduler.py, the code
 that runs in production), so admission, chunked prefill, strict priority classes, weighted fair
-share, preemption and static cohorts behave exactly as they do in the engine. Only the forward pass
-is replaced: a step's duration comes from the cost model (loadtest/costmodel.py) and every sampled
-token is a stand-in, so a request produces exactly ``max_tokens`` tokens (as ``ignore_eos`` does).
+share and preemption behave exactly as they do in the engine (static batching is the benchmarks'
+scheduler subclass, loadtest/static_batching.py, the same one the engine runs for them). Only the
+forward pass is replaced: a step's duration comes from the cost model (loadtest/costmodel.py) and
+every sampled token is a stand-in, so a request produces exactly ``max_tokens`` tokens (as
+``ignore_eos`` does).
 
 Events are processed in time order: an arrival joins the least-loaded replica (fewest outstanding
 requests; Loom's router also weighs KV usage and prefix affinity, which a workload without shared
@@ -30,8 +32,8 @@ import numpy as np
 
 from loadtest.costmodel import Deployment, StepItem, step_cost
 from loadtest.generator import PlannedRequest
+from loadtest.static_batching import Batching
 from loadtest.stats import INCOMPLETE, OK, RequestRecord, SloSpec, grouped
-from protocol.engine_config import SchedulingMode
 from protocol.requests import SamplingParams
 from worker.block_manager import BlockManager
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
@@ -48,7 +50,7 @@ class EngineSpec:
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     block_size: int = 16
-    mode: SchedulingMode = SchedulingMode.CONTINUOUS
+    mode: Batching = Batching.CONTINUOUS
     # "contiguous": one block of max_model_len tokens per sequence, i.e. a max-length reservation at
     # admission (what engines did before paging), run by the same scheduler for a fair comparison.
     kv_layout: Literal["paged", "contiguous"] = "paged"
@@ -237,7 +239,7 @@ class Simulator:
         e = self.engine
         bm = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
         max_len = min(e.max_model_len, self.num_blocks * self.block_size)
-        sched = Scheduler(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, e.mode, max_len), bm)
+        sched = e.mode.scheduler(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_len), bm)
         return _Replica(i, sched, bm)
 
     def run(self, requests: Seq[PlannedRequest], horizon_s: float | None = None) -> SimResult:

@@ -7,16 +7,8 @@ environment; nothing mirrors its fields. It is plain data (no torch): what the d
 
 from __future__ import annotations
 
-import enum
-
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
-
-
-class SchedulingMode(enum.StrEnum):
-    CONTINUOUS = "continuous"
-    STATIC = "static"
-    STATIC_NO_PADDING = "static_no_padding"
 
 
 class EngineConfig(BaseSettings):
@@ -37,7 +29,11 @@ class EngineConfig(BaseSettings):
     num_blocks: int | None = Field(None, ge=1, description="overrides the KV memory budget")
     max_num_seqs: int = Field(64, ge=1)
     max_num_batched_tokens: int = Field(512, ge=1)
-    scheduling: SchedulingMode = SchedulingMode.CONTINUOUS
+    scheduler_cls: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
+        description="'module:Class' of a Scheduler subclass to run instead (a benchmark's baseline)",
+    )
     priority_scheduling: bool = Field(
         True, description="off: every request is scheduled as standard (a baseline for measurements)"
     )

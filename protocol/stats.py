@@ -23,14 +23,12 @@ class EngineStats:
     num_preemptions: int = 0
     num_steps: int = 0
     computed_tokens: int = 0  # run through the model, all steps
-    padding_tokens: int = 0  # of which for static-batching padding (ended requests): waste
     recomputed_tokens: int = 0  # of which computed again after a preemption: waste
     step_seconds: float = 0.0  # time inside forward steps, all steps (busy fraction over any window)
     step_seq_seconds: float = 0.0  # live sequences x step seconds (slot occupancy over any window)
     step_bytes: int = 0  # weights + KV read and written by all steps (bandwidth utilization)
     last_step_tokens: int = 0
     last_step_seqs: int = 0  # live requests in the last step
-    last_step_padding_seqs: int = 0  # static batching: ended members still computed
     busy_fraction: float = 0.0  # share of the last 10 s spent inside forward steps
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found there

@@ -34,7 +34,7 @@ from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner
 from worker.output_processor import OutputProcessor
-from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
+from worker.scheduler import ScheduledBatch, SchedulerConfig, scheduler_class
 from worker.sequence import Sequence
 from worker.step_trace import StepObserver, StepRow, StepTrace
 
@@ -69,11 +69,10 @@ class LLMEngine:
             if config.max_loras
             else None
         )
-        self.scheduler = Scheduler(
+        self.scheduler = scheduler_class(config.scheduler_cls)(
             SchedulerConfig(
                 config.max_num_seqs,
                 config.max_num_batched_tokens,
-                config.scheduling,
                 self.max_model_len,
                 config.priority_scheduling,
             ),

@@ -20,13 +20,11 @@ BUSY_WINDOW_S = 10.0
 class EngineCounters:
     steps: int = 0
     step_tokens: int = 0
-    padding_tokens: int = 0
     step_seconds: float = 0.0
     step_seq_seconds: float = 0.0
     step_bytes: int = 0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
-    last_step_padding: int = 0
     finished: int = 0
     prompt_tokens: int = 0
     generated_tokens: int = 0
@@ -35,17 +33,16 @@ class EngineCounters:
     busy: deque[tuple[float, float]] = field(default_factory=deque)  # (start, end) of recent steps
 
     def record_step(self, t0: float, t1: float, batch: ScheduledBatch, step_bytes: int) -> None:
-        tokens, seqs, padding = batch.total_tokens, len(batch.seqs), batch.num_padding
+        # Live rows only: a scheduler subclass may keep ended sequences computing (static batching).
+        tokens, seqs = batch.total_tokens, sum(1 for s in batch.seqs if s.is_live)
         self.step_seconds += t1 - t0
-        self.step_seq_seconds += (seqs - padding) * (t1 - t0)
+        self.step_seq_seconds += seqs * (t1 - t0)
         self.step_bytes += step_bytes
         self.steps += 1
         self.consecutive_failed_steps = 0
         self.step_tokens += tokens
-        self.padding_tokens += batch.padding_tokens
         self.last_step_tokens = tokens
-        self.last_step_seqs = seqs - padding
-        self.last_step_padding = padding
+        self.last_step_seqs = seqs
         self.busy.append((t0, t1))
         while self.busy and self.busy[0][1] < t1 - BUSY_WINDOW_S:
             self.busy.popleft()
@@ -64,9 +61,7 @@ class EngineCounters:
             num_steps=self.steps,
             last_step_tokens=self.last_step_tokens,
             last_step_seqs=self.last_step_seqs,
-            last_step_padding_seqs=self.last_step_padding,
             computed_tokens=self.step_tokens,
-            padding_tokens=self.padding_tokens,
             recomputed_tokens=scheduler.num_recomputed_tokens,
             step_seconds=self.step_seconds,
             step_seq_seconds=self.step_seq_seconds,

@@ -16,24 +16,26 @@ registered for prefix reuse, the sampled token appended, and the length and stop
 end a sequence and free its blocks. Stop strings need text, so the engine's output processor asks
 for those endings through ``finish``.
 
-Static batching, the baseline continuous batching is measured against, is a ``BatchingPolicy`` the
-scheduler is given (batching_policy.py); it is consulted in two places and nowhere else.
+The engine can run a subclass instead (``EngineConfig.scheduler_cls``, as vLLM's ``scheduler_cls``):
+the benchmarks bring static batching, the baseline continuous batching is measured against, that way
+(loadtest/static_batching.py), so nothing here knows of cohorts or padding. ``admits_waiting`` is
+the one question asked for such a subclass's sake.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from common import Priority
-from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.engine_config import EngineConfig
 from protocol.requests import FinishReason, InvalidRequestError
-from worker.batching_policy import BatchingPolicy, Joining
 from worker.block_manager import BlockManager
 from worker.fair_share import FairShare
-from worker.sequence import GREEDY, Sequence, SequenceStatus
+from worker.sequence import Sequence, SequenceStatus
 
 
 class Gate(enum.Enum):
@@ -75,14 +77,12 @@ class OpenGate:
 class SchedulerConfig:
     max_num_seqs: int = EngineConfig.model_fields["max_num_seqs"].default
     max_num_batched_tokens: int = EngineConfig.model_fields["max_num_batched_tokens"].default
-    mode: SchedulingMode = SchedulingMode.CONTINUOUS
     max_model_len: int = 1 << 30  # a sequence reaching this many tokens ends (LENGTH)
     # Off: every request is served as standard (fair share and FCFS only), the baseline that
     # priority protection is measured against (loadtest/bench_served.py).
     priority_classes: bool = True
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "mode", SchedulingMode(self.mode))  # accept the plain string too
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
 
@@ -98,17 +98,6 @@ class ScheduledBatch:
     @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
-
-    @property
-    def num_padding(self) -> int:
-        return sum(1 for s in self.seqs if s.status is SequenceStatus.PADDING)
-
-    @property
-    def padding_tokens(self) -> int:
-        """Tokens computed for static-batching padding: work done for no one."""
-        return sum(
-            n for s, n in zip(self.seqs, self.num_tokens, strict=True) if s.status is SequenceStatus.PADDING
-        )
 
     def __bool__(self) -> bool:
         return bool(self.seqs)
@@ -135,7 +124,6 @@ class Scheduler:
         self, config: SchedulerConfig, block_manager: BlockManager, gate: AdmissionGate | None = None
     ) -> None:
         self.config = config
-        self.policy = BatchingPolicy.for_mode(config.mode)
         self.bm = block_manager
         self.gate: AdmissionGate = gate or OpenGate()
         self._rejected: list[tuple[Sequence, str]] = []  # failed by the gate, for the engine to report
@@ -177,24 +165,13 @@ class Scheduler:
         return self._by_id.get(request_id)
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
-        """End ``seq`` (finished or aborted) and free its blocks at once, or keep it as padding.
-
-        Under a padding policy a running member that ends normally keeps computing (greedily) in its
-        cohort; the cohort's blocks are all freed when its last real member ends.
-        """
+        """End ``seq`` (finished or aborted) and free its blocks at once."""
         if not seq.is_live:
             return
-        if self.policy.padding and seq.status is SequenceStatus.RUNNING and reason in _NORMAL_ENDS:
-            seq.status = SequenceStatus.PADDING
-            seq.sampling = GREEDY  # its tokens are never shown to anyone
-        else:
-            self._release(seq)
+        self._release(seq)
         seq.finish_reason = reason
         self.fair.deactivate(seq.priority, seq.tenant)
         del self._by_id[seq.request_id]
-        if self.running and all(s.status is SequenceStatus.PADDING for s in self.running):
-            for s in list(self.running):
-                self._release(s)
 
     def _release(self, seq: Sequence) -> None:
         if seq.status is SequenceStatus.WAITING:
@@ -234,12 +211,14 @@ class Scheduler:
 
     # ---- the step ------------------------------------------------------------------------------
 
+    def admits_waiting(self) -> bool:
+        """Whether waiting sequences may join the batch in this step: always, in continuous batching
+        (a subclass that admits otherwise, as static batching's cohorts, says no here)."""
+        return True
+
     def schedule(self) -> ScheduledBatch:
         step = _Step(budget=self.config.max_num_batched_tokens)
-        joining = self.policy.joining(len(self.running))
-        if joining is Joining.COHORT:
-            self._admit_cohort()
-        admission_open = joining is Joining.EVERY_STEP
+        admission_open = self.admits_waiting()
         for prio in Priority:
             for seq in sorted(
                 (s for s in self.running if s.priority == prio),
@@ -247,7 +226,7 @@ class Scheduler:
             ):
                 if step.budget == 0:
                     break
-                if seq.status in _IN_BATCH and seq not in step.scheduled:
+                if seq.status is SequenceStatus.RUNNING and seq not in step.scheduled:
                     self._schedule_running(seq, step)
             gated: set[str] = set()  # tenants whose next sequence the gate holds back this step
             while admission_open and step.budget > 0:
@@ -339,24 +318,6 @@ class Scheduler:
             self._rejected.append((seq, reason))
         return verdict is Gate.READY
 
-    def _admit_cohort(self) -> None:
-        """Static mode: fill the batch from the queues, with the blocks of every member's prompt free."""
-        room = self.bm.num_free_blocks
-        for prio in Priority:
-            while len(self.running) < self.config.max_num_seqs:
-                seq = self._next_waiting(prio)
-                if seq is None:
-                    break
-                need = -(-seq.num_tokens // self.bm.block_size)
-                if need > room and self.running:
-                    return
-                if not self._passes_gate(seq):
-                    return  # a cohort forms from ready requests only; the rest join the next one
-                room -= need
-                self._dequeue(seq)
-                seq.status = SequenceStatus.RUNNING
-                self.running.append(seq)
-
     def _preempt_key(self, seq: Sequence) -> tuple[int, float, int]:
         return (seq.priority.order, self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
 
@@ -366,9 +327,6 @@ class Scheduler:
         if n:
             step.budget += n
             self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
-        if seq.status is SequenceStatus.PADDING:  # nothing to resume: its request already ended
-            self._release(seq)
-            return
         self.running.remove(seq)
         self.bm.free(seq)
         self.gate.release(seq)
@@ -384,7 +342,7 @@ class Scheduler:
         """Apply a step's results; returns an update per live sequence that sampled a token."""
         updates: list[SequenceUpdate] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
-            if seq.status is SequenceStatus.FINISHED:  # padding released when its cohort ended above
+            if seq.status is SequenceStatus.FINISHED:  # ended earlier in the step (a subclass ends several)
                 continue
             start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + n
             self.num_recomputed_tokens += max(
@@ -396,10 +354,6 @@ class Scheduler:
             if token is None:  # a prefill chunk that has not reached the prompt's end
                 continue
             seq.token_ids.append(token)
-            if seq.status is SequenceStatus.PADDING:
-                if seq.num_tokens >= self.config.max_model_len:  # it can grow no further
-                    self._release(seq)
-                continue
             reason = self._stop_reason(seq, token)
             if reason is not None:
                 self.finish(seq, reason)
@@ -414,5 +368,15 @@ class Scheduler:
         return None
 
 
-_NORMAL_ENDS = (FinishReason.STOP, FinishReason.LENGTH)
-_IN_BATCH = (SequenceStatus.RUNNING, SequenceStatus.PADDING)
+def scheduler_class(path: str | None) -> type[Scheduler]:
+    """The scheduler an engine runs: Loom's, or the subclass ``path`` names (``"module:Class"``)."""
+    if not path:
+        return Scheduler
+    module_name, _, name = path.partition(":")
+    try:
+        cls = getattr(importlib.import_module(module_name), name)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"scheduler_cls {path!r} cannot be loaded: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise ValueError(f"scheduler_cls {path!r} is not a subclass of worker.scheduler.Scheduler")
+    return cls

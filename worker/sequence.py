@@ -18,13 +18,10 @@ from protocol.requests import FinishReason, GenerationRequest, SamplingParams
 
 _arrivals = itertools.count()
 
-GREEDY = SamplingParams()
-
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
-    PADDING = "padding"  # static batching: ended for its caller, still computed until its cohort ends
     FINISHED = "finished"
 
 
@@ -94,5 +91,6 @@ class Sequence:
 
     @property
     def is_live(self) -> bool:
-        """Still owed output by the engine (waiting or running, not padding or finished)."""
-        return self.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING)
+        """Still owed output by the engine: waiting or running, and not ended for its caller (a
+        scheduler subclass may keep an ended sequence in the batch, as static batching's padding)."""
+        return self.finish_reason is None and self.status in (SequenceStatus.WAITING, SequenceStatus.RUNNING)

@@ -23,7 +23,7 @@ from loadtest.bench_engine import (
     run_engine,
     step_breakdown,
 )
-from protocol.engine_config import SchedulingMode
+from loadtest.static_batching import Batching
 from worker.api import load_checkpoint
 from worker.checkpoint import Checkpoint
 
@@ -69,7 +69,7 @@ def test_benchmark_writes_every_mode_and_the_roofline(tiny: Checkpoint, tmp_path
 def test_step_time_splits_a_step_into_schedule_forward_and_the_rest(tiny: Checkpoint) -> None:
     items = make_workload(tiny, 5, seed=2, max_output=10)
     tokens: list[list[int]] = []
-    m = run_engine(tiny, items, SchedulingMode.CONTINUOUS, 4, 64, outputs=tokens)
+    m = run_engine(tiny, items, Batching.CONTINUOUS, 4, 64, outputs=tokens)
     t = m["step_time"]
     assert t["steps"] == m["decode_steps"]  # the warm-up's steps are not counted
     assert t["forward_ms"] > 0 and t["schedule_ms"] > 0 and t["other_ms"] >= 0

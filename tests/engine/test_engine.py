@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from common import Priority
-from protocol.engine_config import EngineConfig, SchedulingMode
+from protocol.engine_config import EngineConfig
 from protocol.requests import FinishReason, GenerationRequest, InvalidRequestError, SamplingParams
 from worker.checkpoint import Checkpoint
 from worker.detokenizer import IncrementalDetokenizer
@@ -141,7 +141,7 @@ def test_stats_report_load(tiny_engine: LLMEngine) -> None:
     assert s.kv_blocks_used == 6 and s.kv_blocks_total == 128
     assert s.last_step_tokens == 40 and s.busy_fraction > 0
     # The counters utilization is computed from (docs/utilization.md).
-    assert s.computed_tokens == 40 and s.padding_tokens == 0 and s.recomputed_tokens == 0
+    assert s.computed_tokens == 40 and s.recomputed_tokens == 0
     assert s.step_seconds > 0 and s.step_seq_seconds == pytest.approx(2 * s.step_seconds)
     kv_per_token = tiny_engine.kv_cache.bytes_per_token()
     assert s.step_bytes == tiny_engine.model.weight_bytes() + (40 + 40) * kv_per_token  # read + written
@@ -190,28 +190,6 @@ def test_stop_string_in_engine_output(smol_engine: LLMEngine) -> None:
     assert cut.finish_reason is FinishReason.STOP
     assert cut.text == full.text[: full.text.index(stop)]
     assert smol_engine.block_manager.num_used_blocks == 0
-
-
-@pytest.mark.parametrize("mode", ["static", "static_no_padding"])
-def test_static_modes_give_the_same_greedy_tokens(tiny: Checkpoint, mode: str) -> None:
-    prompts = [[65 + i] * (5 + 3 * i) for i in range(6)]
-    lengths = [3, 20, 7, 1, 12, 5]
-
-    def run(scheduling: str) -> dict[str, list[int]]:
-        config = EngineConfig(
-            num_blocks=128, block_size=8, max_num_seqs=4, scheduling=SchedulingMode(scheduling)
-        )
-        engine = LLMEngine(config, tiny)
-        pairs = enumerate(zip(prompts, lengths, strict=True))
-        reqs = [_req(f"r{i}", p, max_tokens=n, ignore_eos=True) for i, (p, n) in pairs]
-        outs = engine.run_to_completion(reqs)
-        assert engine.block_manager.num_used_blocks == 0
-        assert not engine.scheduler.running
-        return {k: o.token_ids for k, o in outs.items()}
-
-    static = run(mode)
-    assert static == run("continuous")
-    assert [len(static[f"r{i}"]) for i in range(6)] == lengths
 
 
 def test_step_observers_see_every_step_as_scheduled(tiny_engine: LLMEngine) -> None:

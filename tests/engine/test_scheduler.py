@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import pytest
-
 from common import Priority
 from loadtest.scheduler_sim import SchedulerSim
-from protocol.engine_config import SchedulingMode
 
 
 def _assert_clean(sim: SchedulerSim) -> None:
@@ -157,19 +154,6 @@ def test_abort_frees_blocks_immediately() -> None:
     sim.bm.check_consistency()
 
 
-@pytest.mark.parametrize("mode", [SchedulingMode.STATIC, SchedulingMode.STATIC_NO_PADDING])
-def test_static_modes_never_backfill(mode: SchedulingMode) -> None:
-    sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, mode=mode, num_blocks=512)
-    short = [sim.submit(4, 2) for _ in range(3)]
-    long = sim.submit(4, 30)
-    later = [sim.submit(4, 2) for _ in range(4)]
-    sim.run()
-    end_of_cohort = sim.requests[long].finished_step
-    assert all(sim.requests[s].finished_step < end_of_cohort for s in short)
-    assert all(sim.requests[r].first_scheduled_step > end_of_cohort for r in later)
-    _assert_clean(sim)
-
-
 def test_continuous_mode_backfills_freed_slots() -> None:
     sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, num_blocks=512)
     [sim.submit(4, 2) for _ in range(3)]
@@ -196,27 +180,3 @@ def test_prefix_cache_reuses_blocks_and_evicts_lru() -> None:
     sim.run()
     assert sim.requests[third].seq.num_cached_prompt_tokens < 20
     _assert_clean(sim)
-
-
-def test_static_mode_keeps_finished_members_as_padding_until_the_cohort_ends() -> None:
-    sim = SchedulerSim(max_num_seqs=4, max_num_batched_tokens=64, mode=SchedulingMode.STATIC, num_blocks=512)
-    short = sim.submit(4, 2)
-    long = sim.submit(4, 30)
-    sizes = []
-    while sim.scheduler.has_work():
-        sizes.append(len(sim.step().seqs))
-    assert sim.requests[short].finished_step < sim.requests[long].finished_step
-    assert sizes == [2] * len(sizes), "a finished member left its cohort before the cohort ended"
-    assert sim.requests[short].seq.num_tokens > 4 + 2  # it ran on as padding
-    _assert_clean(sim)
-
-
-def test_static_padding_is_released_by_an_abort_of_the_last_member() -> None:
-    sim = SchedulerSim(max_num_seqs=4, mode=SchedulingMode.STATIC, num_blocks=512)
-    sim.submit(4, 2)
-    long = sim.submit(4, 300)
-    for _ in range(10):
-        sim.step()
-    sim.abort(long)
-    assert sim.bm.num_used_blocks == 0
-    assert not sim.scheduler.running

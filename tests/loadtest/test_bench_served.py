@@ -3,6 +3,10 @@ reports (the runs themselves take 40 minutes and are committed under loadtest/re
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -51,7 +55,8 @@ def test_each_experiment_runs_on_its_server_with_workload_tenants_that_exist() -
     plan = servers(None)
     by_run = {r.name: s for s in plan for r in s.runs}
     assert by_run["priority-off"].engine_env == {"LOOM_ENGINE_PRIORITY_SCHEDULING": "false"}
-    assert by_run["batching-static"].engine_env == {"LOOM_ENGINE_SCHEDULING": "static"}
+    static_env = by_run["batching-static"].engine_env
+    assert static_env["LOOM_ENGINE_SCHEDULER_CLS"] == "loadtest.static_batching:StaticBatchingScheduler"
     assert by_run["priority-on"].engine_env == by_run["knee"].engine_env == {}
     for server in plan:
         for run in server.runs:
@@ -63,3 +68,19 @@ def test_each_experiment_runs_on_its_server_with_workload_tenants_that_exist() -
         "priority-on",
         "priority-off",
     }
+
+
+def test_the_static_server_env_loads_the_subclass_in_a_process_outside_the_checkout(tmp_path: Path) -> None:
+    """What the replica of the static-batching server does: read its EngineConfig from the
+    environment and import the benchmarks' scheduler from the checkout, its cwd elsewhere."""
+    (static,) = [s for s in servers({"batching-static"})]
+    code = (
+        "from protocol.engine_config import EngineConfig; from worker.scheduler import scheduler_class; "
+        "print(scheduler_class(EngineConfig().scheduler_cls).__name__)"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | static.engine_env
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "StaticBatchingScheduler"

@@ -124,7 +124,7 @@ def _assert_utilization(stage: dict[str, Any], copy_bandwidth_gbs: float | None)
     assert 0 < f["busy_fraction"] <= 1
     assert 0 < f["slot_occupancy"] <= 1
     assert f["useful_token_fraction"] == 1
-    assert f["padding_tokens"] == 0 and f["recomputed_tokens"] == 0 and f["computed_tokens"] > 0
+    assert f["recomputed_tokens"] == 0 and f["computed_tokens"] > 0
     assert 0 <= f["kv_blocks_in_use"] <= f["kv_blocks_in_use_max"] <= 1
     assert f["steps_per_s"] > 0 and f["mean_step_s"] > 0
     # Busy and wall figures differ by the busy fraction; its raw value may pass 1 on a loaded machine

@@ -10,8 +10,8 @@ from common import Priority
 from loadtest.costmodel import Deployment, Hardware, ModelShape
 from loadtest.generator import PlannedRequest
 from loadtest.simulator import EngineSpec, Simulator
+from loadtest.static_batching import Batching
 from loadtest.stats import INCOMPLETE, OK
-from protocol.engine_config import SchedulingMode
 
 TOY = ModelShape("toy", 8, 16, 2, 2, 1, 4, 10, False, 64)
 # Memory and compute are free: every step costs exactly the 1 s host term, so time counts steps.
@@ -61,7 +61,7 @@ def test_paged_and_contiguous_kv_accounting_by_hand() -> None:
 
 
 def test_static_padding_is_computed_and_counted_as_waste() -> None:
-    res = Simulator(DEP, spec(mode=SchedulingMode.STATIC)).run([req(0, 5, 3), req(1, 2, 1)])
+    res = Simulator(DEP, spec(mode=Batching.STATIC)).run([req(0, 5, 3), req(1, 2, 1)])
     a = res.steps.arrays()
     assert list(a["tokens"]) == [7, 2, 2]  # B keeps decoding as padding until A, the longest, ends
     assert list(a["padding"]) == [0, 1, 1]

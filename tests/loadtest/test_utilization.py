@@ -16,7 +16,6 @@ from loadtest.prometheus import (
     COUNTERS,
     KV_BLOCKS_TOTAL,
     KV_BLOCKS_USED,
-    PADDING_TOKENS,
     RECOMPUTED_TOKENS,
     RUNNING,
     STEP_BYTES,
@@ -41,7 +40,6 @@ def scrape(
     step_s: float,
     seq_s: float,
     computed: float,
-    padding: float = 0.0,
     recomputed: float = 0.0,
     nbytes: float = 0.0,
     steps: float = 0.0,
@@ -53,7 +51,6 @@ def scrape(
         STEP_SECONDS: step_s,
         STEP_SEQ_SECONDS: seq_s,
         COMPUTED_TOKENS: computed,
-        PADDING_TOKENS: padding,
         RECOMPUTED_TOKENS: recomputed,
         STEP_BYTES: nbytes,
         STEPS: steps,
@@ -65,12 +62,12 @@ def scrape(
 
 # Three scrapes one second apart of a replica with capacity 8. Over the 2 s: 1.5 s in steps (busy
 # 0.75); 6 live-sequence seconds over those 1.5 step seconds is 4 sequences a step on average, of 8
-# slots (occupancy 0.5); 300 tokens computed, 30 padding and 30 recomputed (useful 0.8); 3 GB moved
+# slots (occupancy 0.5); 300 tokens computed, 60 recomputed (useful 0.8); 3 GB moved
 # (1.5 GB/s of wall time, 2 GB/s of step time); 30 steps (15 steps/s, 50 ms each); KV 2, 4, 6 of 10.
 POINTS = [
-    (0.0, scrape(0.0, 0.0, 0, 0, 0, 0, 0, kv_used=2)),
-    (1.0, scrape(0.5, 2.0, 100, 10, 0, 1e9, 10, kv_used=4)),
-    (2.0, scrape(1.5, 6.0, 300, 30, 30, 3e9, 30, kv_used=6)),
+    (0.0, scrape(0.0, 0.0, 0, 0, 0, 0, kv_used=2)),
+    (1.0, scrape(0.5, 2.0, 100, 0, 1e9, 10, kv_used=4)),
+    (2.0, scrape(1.5, 6.0, 300, 60, 3e9, 30, kv_used=6)),
 ]
 
 
@@ -209,7 +206,6 @@ def test_the_gateways_exposition_parses_into_the_scraped_names() -> None:
         max_num_seqs=8,
         num_steps=42,
         computed_tokens=900,
-        padding_tokens=7,
         recomputed_tokens=3,
         step_seconds=1.25,
         step_seq_seconds=3.5,
@@ -227,7 +223,6 @@ def test_the_gateways_exposition_parses_into_the_scraped_names() -> None:
         STEP_SECONDS: 1.25,
         STEP_SEQ_SECONDS: 3.5,
         COMPUTED_TOKENS: 900,
-        PADDING_TOKENS: 7,
         RECOMPUTED_TOKENS: 3,
         STEP_BYTES: 123_456_789,
         STEPS: 42,
