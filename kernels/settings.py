@@ -5,7 +5,8 @@ the moment its value matters, which differs per setting:
 
 * ``LOOM_FORCE_TRITON`` at import of :mod:`kernels.dispatch` (:func:`kernels.force_triton` changes
   it afterwards, in process);
-* ``LOOM_CPU_KERNELS`` on the first call of :func:`kernels.cpu_kernels.cpu_kernels`;
+* ``LOOM_CPU_KERNELS`` (and torch's ``TORCH_EXTENSIONS_DIR``) on the first call of
+  :func:`kernels.cpu_kernels.cpu_kernels`;
 * ``TRITON_INTERPRET`` at import of :mod:`kernels.triton_common`, which is when the ``@triton.jit``
   decorations next to it decide between compiled and interpreted kernels.
 
@@ -55,6 +56,11 @@ class KernelSettings(BaseSettings):
         True,
         validation_alias="LOOM_CPU_KERNELS",
         description="use the compiled CPU decode-attention kernel when it builds",
+    )
+    torch_extensions_dir: str | None = Field(
+        None,
+        validation_alias="TORCH_EXTENSIONS_DIR",
+        description="torch's own: where it builds extensions; set, the CPU kernels are built there",
     )
     triton_interpret: TritonSwitch = Field(
         False,
