@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_isolation,
         bench_lora,
         bench_served,
+        bench_stream_cost,
         calibrate,
         loadtest_cli,
         sim_experiments,
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_lora.register(bench_sub)  # loom bench lora
     bench_isolation.register(bench_sub)  # loom bench isolation
     bench_served.register(bench_sub)  # loom bench served
+    bench_stream_cost.register(bench_sub)  # loom bench stream-cost
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser

@@ -33,6 +33,7 @@ REPORTS = [
     ("soak", "to_markdown", "soak"),
     ("soak", "fuzz_markdown", "fuzz"),
     ("sim_experiments", "to_markdown", "simulator"),
+    ("bench_stream_cost", "to_markdown", "stream-cost"),
     *(
         ("report", "to_markdown", f"served/{p.parent.name}/report")
         for p in sorted(RESULTS.glob("served/*/report.json"))
@@ -62,7 +63,7 @@ def test_served_summary_renders_to_the_committed_markdown() -> None:
 
 def test_every_template_belongs_to_a_report() -> None:
     used = {"engine", "gateway", "lora", "isolation", "admission", "calibration", "soak", "fuzz"}
-    used |= {"simulator", "served", "report"}
+    used |= {"simulator", "served", "report", "stream-cost"}
     assert {p.name.removesuffix(".md.j2") for p in markdown.TEMPLATES_DIR.glob("*.md.j2")} == used
 
 

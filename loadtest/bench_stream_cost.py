@@ -1,0 +1,253 @@
+"""``loom bench stream-cost``: what a streamed output token costs each process of a served Loom.
+
+Issue 22's first measurement. A ``loom serve`` (one replica of the embedded model, float32,
+``max_num_seqs`` 64, its own Redis) gets ``--requests`` seeded greedy chat streams at once through
+the official ``openai`` SDK on the HTTP front, after a short warm-up. Around that window the CPU time
+(user + system, from ``/proc``) of every process is read and grouped: the gateway (``loom serve``
+itself), each engine replica split by thread into the engine loop (the thread named
+``loom-engine``) and the rest (its event loop, Ray's core threads, and torch's OpenMP workers, which
+were started during the model's load under the process's name: the rest is an upper bound), the
+Serve controller, the rest of Ray, and the client (this process).
+Each group's CPU seconds divided by the output tokens streamed is the figure the issue's targets
+are stated in (gateway <= 0.15 ms, replica outside the engine step <= 0.1 ms per token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtest.machine import cpu_info, cpu_line
+from loadtest.markdown import render
+from loadtest.soak_server import SECRET, ServedLoom, cmdline, descendants
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+ENGINE_THREAD = "loom-engine"  # the OS name AsyncEngine gives its loop thread
+_TICK = os.sysconf("SC_CLK_TCK")
+TOPICS = ["weaving", "rivers", "bread", "winter", "bees", "lighthouses", "tea", "maps", "clocks", "owls"]
+
+
+@dataclass(frozen=True)
+class ThreadCpu:
+    pid: int
+    tid: int
+    name: str
+    cpu_s: float
+
+
+def _stat_cpu(path: str) -> tuple[str, float] | None:
+    """(comm, user + system seconds) of a /proc stat file; None if it is gone."""
+    try:
+        text = Path(path).read_text()
+    except OSError:
+        return None
+    comm = text[text.index("(") + 1 : text.rindex(")")]
+    fields = text[text.rindex(")") + 2 :].split()
+    return comm, (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime (fields 14, 15)
+
+
+def threads_of(pid: int) -> list[ThreadCpu]:
+    out = []
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return out
+    for tid in tids:
+        got = _stat_cpu(f"/proc/{pid}/task/{tid}/stat")
+        if got is not None:
+            out.append(ThreadCpu(pid, int(tid), got[0], got[1]))
+    return out
+
+
+def role(pid: int, gateway_pid: int, client_pid: int) -> str:
+    if pid == gateway_pid:
+        return "gateway"
+    if pid == client_pid:
+        return "client"
+    cmd = cmdline(pid)
+    if "ServeReplica" in cmd and "engine-" in cmd:
+        return "replica"
+    if "ServeController" in cmd:
+        return "serve_controller"
+    if "redis-server" in cmd:
+        return "redis"
+    return "ray_other"
+
+
+def snapshot(gateway_pid: int, client_pid: int) -> dict[tuple[int, int], tuple[str, str, float]]:
+    """(pid, tid) -> (role, thread name, CPU seconds) for the whole served tree and this client."""
+    snap = {}
+    for pid in [gateway_pid, client_pid, *descendants(gateway_pid)]:
+        r = role(pid, gateway_pid, client_pid)
+        for t in threads_of(pid):
+            snap[(pid, t.tid)] = (r, t.name, t.cpu_s)
+    return snap
+
+
+def replica_threads(
+    before: dict[tuple[int, int], tuple[str, str, float]],
+    after: dict[tuple[int, int], tuple[str, str, float]],
+) -> list[dict[str, Any]]:
+    """The replica's threads by CPU spent in the window, for reading how the split was made."""
+    rows = [
+        {"name": name, "cpu_s": round(cpu - (before[key][2] if key in before else 0.0), 3)}
+        for key, (r, name, cpu) in after.items()
+        if r == "replica"
+    ]
+    return sorted(rows, key=lambda row: -row["cpu_s"])[:12]
+
+
+def cpu_by_group(
+    before: dict[tuple[int, int], tuple[str, str, float]],
+    after: dict[tuple[int, int], tuple[str, str, float]],
+) -> dict[str, float]:
+    """CPU seconds spent between two snapshots per group; a replica's threads split into its engine
+    loop (and the workers it started) and the rest. Threads that ended in between are not seen."""
+    groups: dict[str, float] = {}
+    for key, (r, name, cpu) in after.items():
+        spent = cpu - (before[key][2] if key in before else 0.0)
+        group = r
+        if r == "replica":
+            group = "replica_engine_thread" if name == ENGINE_THREAD else "replica_rest"
+        groups[group] = groups.get(group, 0.0) + spent
+    return groups
+
+
+def per_token(groups: dict[str, float], tokens: int) -> dict[str, dict[str, float]]:
+    return {
+        g: {"cpu_s": round(s, 3), "ms_per_output_token": round(1e3 * s / tokens, 4) if tokens else 0.0}
+        for g, s in sorted(groups.items())
+    }
+
+
+def workload(n: int, seed: int) -> list[tuple[str, int]]:
+    """Seeded chat prompts and output lengths (lognormal around 28 tokens, in [4, 96])."""
+    rng = random.Random(seed)
+    return [
+        (
+            f"Write a short note about {rng.choice(TOPICS)} for a friend, number {i}.",
+            int(min(96, max(4, rng.lognormvariate(3.2, 0.6)))),
+        )
+        for i in range(n)
+    ]
+
+
+async def _stream(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[int, float | None]:
+    """One greedy stream: (completion tokens by the final usage, seconds to the first content)."""
+    started = time.perf_counter()
+    first: float | None = None
+    tokens = 0
+    stream = await client.chat.completions.create(
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=max_tokens,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    async for chunk in stream:
+        if first is None and chunk.choices and chunk.choices[0].delta.content:
+            first = time.perf_counter() - started
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return tokens, first
+
+
+def _create_tenant(redis_url: str) -> str:
+    from tenancy.models import Quotas, Tenant
+    from tenancy.settings import TenancySettings
+    from tenancy.store_redis import RedisTenantStore
+
+    store = RedisTenantStore.from_settings(TenancySettings(store="redis", redis_url=redis_url, secret=SECRET))
+    store.create_tenant(Tenant(id="bench", quotas=Quotas.unlimited()), actor="loom-bench")
+    return store.create_key("bench", actor="loom-bench").plaintext.get_secret_value()
+
+
+async def _run(n: int, seed: int, log: Any) -> dict[str, Any]:
+    from openai import AsyncOpenAI
+
+    served = ServedLoom.create(
+        replicas=1,
+        engine_env={"LOOM_ENGINE_MAX_NUM_SEQS": "64", "LOOM_ENGINE_DTYPE": "float32"},
+        embedded=True,
+    )
+    try:
+        t0 = time.monotonic()
+        await served.start()
+        log(f"served in {time.monotonic() - t0:.0f} s at {served.http_address}")
+        key = _create_tenant(served.redis_url)
+        client = AsyncOpenAI(
+            base_url=f"http://{served.http_address}/v1", api_key=key, max_retries=0, timeout=600
+        )
+        model = (await client.models.list()).data[0].id
+        await asyncio.gather(*(_stream(client, model, p, m) for p, m in workload(4, seed + 1)))  # warm-up
+        items = workload(n, seed)
+        before = snapshot(served.pid, os.getpid())
+        wall0 = time.perf_counter()
+        results = await asyncio.gather(*(_stream(client, model, p, m) for p, m in items))
+        wall = time.perf_counter() - wall0
+        after = snapshot(served.pid, os.getpid())
+        await client.close()
+    finally:
+        await served.stop()
+        served.remove()
+    tokens = sum(t for t, _ in results)
+    ttfts = [f for _, f in results if f is not None]
+    groups = cpu_by_group(before, after)
+    return {
+        "workload": {
+            "requests": n,
+            "seed": seed,
+            "max_tokens_sum": sum(m for _, m in items),
+            "arrival": "all at once",
+            "front": "HTTP, openai SDK, stream=True, temperature 0",
+            "engine": "1 replica, embedded SmolLM2-135M-Instruct, float32, max_num_seqs 64",
+        },
+        "output_tokens": tokens,
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(tokens / wall, 2),
+        "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
+        "cpu": per_token(groups, tokens),
+        "replica_threads": replica_threads(before, after),
+        "targets_ms_per_token": {"gateway": 0.15, "replica_rest": 0.1},
+    }
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    return render("stream-cost.md.j2", report=report)
+
+
+def run_benchmark(
+    n: int = 96, seed: int = 0, out_dir: Path | None = RESULTS_DIR, log: Any = print
+) -> dict[str, Any]:
+    report = asyncio.run(_run(n, seed, log))
+    report.update(date=time.strftime("%Y-%m-%d"), machine=cpu_line(), machine_cpu=cpu_info())
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "stream-cost.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "stream-cost.md").write_text(to_markdown(report))
+    return report
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stream-cost", help="CPU per streamed output token of each served process (~3 min)")
+    p.add_argument("--requests", type=int, default=96)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.set_defaults(func=_main)
+
+
+def _main(args: argparse.Namespace) -> int:
+    import sys
+
+    report = run_benchmark(args.requests, args.seed, args.out, log=lambda m: print(m, file=sys.stderr))
+    print(to_markdown(report))
+    return 0
