@@ -82,8 +82,11 @@ def role(pid: int, gateway_pid: int, client_pid: int) -> str:
     return "ray_other"
 
 
-def snapshot(gateway_pid: int, client_pid: int) -> dict[tuple[int, int], tuple[str, str, float]]:
-    """(pid, tid) -> (role, thread name, CPU seconds) for the whole served tree and this client."""
+Snapshot = dict[tuple[int, int], tuple[str, str, float]]  # (pid, tid) -> (role, thread name, CPU s)
+
+
+def snapshot(gateway_pid: int, client_pid: int) -> Snapshot:
+    """Every thread of the whole served tree and of this client, with its CPU seconds so far."""
     snap = {}
     for pid in [gateway_pid, client_pid, *descendants(gateway_pid)]:
         r = role(pid, gateway_pid, client_pid)
@@ -92,28 +95,27 @@ def snapshot(gateway_pid: int, client_pid: int) -> dict[tuple[int, int], tuple[s
     return snap
 
 
-def replica_threads(
-    before: dict[tuple[int, int], tuple[str, str, float]],
-    after: dict[tuple[int, int], tuple[str, str, float]],
-) -> list[dict[str, Any]]:
+def _spent(before: Snapshot, after: Snapshot) -> list[tuple[str, str, float]]:
+    """(role, thread name, CPU seconds spent between the snapshots) of each thread alive at the
+    second; one started in between counts from zero, one that ended is not seen."""
+    return [
+        (r, name, cpu - (before[key][2] if key in before else 0.0)) for key, (r, name, cpu) in after.items()
+    ]
+
+
+def replica_threads(before: Snapshot, after: Snapshot) -> list[dict[str, Any]]:
     """The replica's threads by CPU spent in the window, for reading how the split was made."""
     rows = [
-        {"name": name, "cpu_s": round(cpu - (before[key][2] if key in before else 0.0), 3)}
-        for key, (r, name, cpu) in after.items()
-        if r == "replica"
+        {"name": name, "cpu_s": round(cpu, 3)} for r, name, cpu in _spent(before, after) if r == "replica"
     ]
     return sorted(rows, key=lambda row: -row["cpu_s"])[:12]
 
 
-def cpu_by_group(
-    before: dict[tuple[int, int], tuple[str, str, float]],
-    after: dict[tuple[int, int], tuple[str, str, float]],
-) -> dict[str, float]:
+def cpu_by_group(before: Snapshot, after: Snapshot) -> dict[str, float]:
     """CPU seconds spent between two snapshots per group; a replica's threads split into its engine
-    loop (and the workers it started) and the rest. Threads that ended in between are not seen."""
+    loop thread and the rest."""
     groups: dict[str, float] = {}
-    for key, (r, name, cpu) in after.items():
-        spent = cpu - (before[key][2] if key in before else 0.0)
+    for r, name, spent in _spent(before, after):
         group = r
         if r == "replica":
             group = "replica_engine_thread" if name == ENGINE_THREAD else "replica_rest"

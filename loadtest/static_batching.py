@@ -88,10 +88,7 @@ class StaticBatchingScheduler(StaticNoPaddingScheduler):
         if seq not in self.held:
             super()._preempt(seq, step)
             return
-        n = step.scheduled.pop(seq, 0)  # padding has nothing to resume: it is released
-        if n:
-            step.budget += n
-            self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
+        self._unschedule(seq, step)  # padding has nothing to resume: it is released
         self._release_padding([seq])
 
     def update_from_output(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[SequenceUpdate]:

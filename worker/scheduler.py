@@ -321,12 +321,16 @@ class Scheduler:
     def _preempt_key(self, seq: Sequence) -> tuple[int, float, int]:
         return (seq.priority.order, self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
 
-    def _preempt(self, seq: Sequence, step: _Step) -> None:
-        """Free ``seq``'s blocks now; it waits again and recomputes its tokens when readmitted."""
+    def _unschedule(self, seq: Sequence, step: _Step) -> None:
+        """Take ``seq`` out of this step: its tokens go back to the budget, its charge is refunded."""
         n = step.scheduled.pop(seq, 0)
         if n:
             step.budget += n
             self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
+
+    def _preempt(self, seq: Sequence, step: _Step) -> None:
+        """Free ``seq``'s blocks now; it waits again and recomputes its tokens when readmitted."""
+        self._unschedule(seq, step)
         self.running.remove(seq)
         self.bm.free(seq)
         self.gate.release(seq)
