@@ -613,7 +613,13 @@ async def run(args: argparse.Namespace, cluster: LocalCluster, progress: dict[st
             "the streams did not start",
             0.02,
         )
+        # Replicas publish their load once a second: wait for a publication showing these streams, or
+        # the lookup may pick a node whose replica only looked idle at its last publication.
         victim, victim_node_id, running = await _busiest_engine_node(p.metrics_port, dash, engines)
+        while running <= 0 and not all(task.done() for task in tasks):
+            _check(deadline, "no engine replica reported running requests")
+            await asyncio.sleep(0.1)
+            victim, victim_node_id, running = await _busiest_engine_node(p.metrics_port, dash, engines)
         before = {s.request_id: len(s.tokens) for s in faulted}
         killed_at = time.monotonic()
         cluster.kill_node(victim)

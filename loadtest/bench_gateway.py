@@ -1,7 +1,8 @@
 """What the gateway path costs: one-token completions through three paths to the same engine replica.
 
 * ``engine_inprocess``: an AsyncEngine in this process (no Ray, no gRPC): the engine's own time.
-* ``serve_handle``: a DeploymentHandle stream into the Ray Serve replica (Ray dispatch, no gateway).
+* ``serve_handle``: the gateway's engine pool alone (ServeEnginePool: a DeploymentHandle call into the
+  Ray Serve replica, its deltas on the pool's stream from that replica; Ray dispatch, no gateway).
 * ``gateway``: a gRPC client over loopback -> the gateway (auth, validation, tokenization, Redis
   admission, lease, usage accounting) -> the same DeploymentHandle -> the replica.
 * ``http_stream`` / ``http_whole``: the OpenAI-compatible front over the same path, through aiohttp
@@ -97,16 +98,14 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     client = LoomClient(server.address, key)
     prompt = "hello loom"
     ids = tok.encode(prompt)
-    stream = handle.options(stream=True)
+    pool = serve_route(handle, SHARED_POOL, model_dir).pool
 
     async def inprocess() -> None:
         async for _ in local.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1))):
             pass
 
     async def via_handle() -> None:
-        async for _ in stream.generate.remote(
-            GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1))
-        ):
+        async for _ in pool.generate(GenerationRequest(uuid.uuid4().hex, ids, SamplingParams(max_tokens=1))):
             pass
 
     async def via_gateway() -> None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -27,6 +28,7 @@ from typing import Any
 
 from loadtest.machine import cpu_info, cpu_line
 from loadtest.markdown import render
+from loadtest.profiles import recording, summarise
 from loadtest.soak_server import SECRET, ServedLoom, cmdline, descendants
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -103,11 +105,10 @@ def _spent(before: Snapshot, after: Snapshot) -> list[tuple[str, str, float]]:
     ]
 
 
-def replica_threads(before: Snapshot, after: Snapshot) -> list[dict[str, Any]]:
-    """The replica's threads by CPU spent in the window, for reading how the split was made."""
-    rows = [
-        {"name": name, "cpu_s": round(cpu, 3)} for r, name, cpu in _spent(before, after) if r == "replica"
-    ]
+def busiest_threads(before: Snapshot, after: Snapshot, of_role: str) -> list[dict[str, Any]]:
+    """A role's threads by CPU spent in the window: how a replica's split was made, and how much of
+    the gateway's CPU is Ray's native threads (which py-spy does not see) rather than its loop."""
+    rows = [{"name": name, "cpu_s": round(cpu, 3)} for r, name, cpu in _spent(before, after) if r == of_role]
     return sorted(rows, key=lambda row: -row["cpu_s"])[:12]
 
 
@@ -173,7 +174,16 @@ def _create_tenant(redis_url: str) -> str:
     return store.create_key("bench", actor="loom-bench").plaintext.get_secret_value()
 
 
-async def _run(n: int, seed: int, log: Any) -> dict[str, Any]:
+def served_pids(gateway_pid: int) -> dict[str, int]:
+    """The processes profiled: the gateway and each engine replica (``replica``, ``replica-2``...)."""
+    pids = {"gateway": gateway_pid}
+    replicas = [pid for pid in descendants(gateway_pid) if role(pid, gateway_pid, -1) == "replica"]
+    for i, pid in enumerate(sorted(replicas)):
+        pids["replica" if i == 0 else f"replica-{i + 1}"] = pid
+    return pids
+
+
+async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     served = ServedLoom.create(
@@ -192,11 +202,16 @@ async def _run(n: int, seed: int, log: Any) -> dict[str, Any]:
         model = (await client.models.list()).data[0].id
         await asyncio.gather(*(_stream(client, model, p, m) for p, m in workload(4, seed + 1)))  # warm-up
         items = workload(n, seed)
-        before = snapshot(served.pid, os.getpid())
-        wall0 = time.perf_counter()
-        results = await asyncio.gather(*(_stream(client, model, p, m) for p, m in items))
-        wall = time.perf_counter() - wall0
-        after = snapshot(served.pid, os.getpid())
+        profiles: dict[str, Path] = {}
+        with contextlib.ExitStack() as stack:
+            if profile_dir is not None:
+                profiles = stack.enter_context(recording(served_pids(served.pid), profile_dir))
+                await asyncio.sleep(1.0)  # py-spy attaches before the window opens
+            before = snapshot(served.pid, os.getpid())
+            wall0 = time.perf_counter()
+            results = await asyncio.gather(*(_stream(client, model, p, m) for p, m in items))
+            wall = time.perf_counter() - wall0
+            after = snapshot(served.pid, os.getpid())
         await client.close()
     finally:
         await served.stop()
@@ -218,8 +233,20 @@ async def _run(n: int, seed: int, log: Any) -> dict[str, Any]:
         "output_tokens_per_s": round(tokens / wall, 2),
         "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
         "cpu": per_token(groups, tokens),
-        "replica_threads": replica_threads(before, after),
+        "replica_threads": busiest_threads(before, after, "replica"),
+        "gateway_threads": busiest_threads(before, after, "gateway"),
         "targets_ms_per_token": {"gateway": 0.15, "replica_rest": 0.1},
+        "profiles": {name: _profile_row(path) for name, path in sorted(profiles.items())},
+    }
+
+
+def _profile_row(path: Path) -> dict[str, Any]:
+    summary = summarise(path)
+    return {
+        "file": f"{path.parent.name}/{path.name}",
+        "samples": summary.samples,
+        "top_self": summary.top_self,
+        "by_library": summary.by_library,
     }
 
 
@@ -228,9 +255,14 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def run_benchmark(
-    n: int = 96, seed: int = 0, out_dir: Path | None = RESULTS_DIR, log: Any = print
+    n: int = 96,
+    seed: int = 0,
+    out_dir: Path | None = RESULTS_DIR,
+    log: Any = print,
+    profile: bool = False,
 ) -> dict[str, Any]:
-    report = asyncio.run(_run(n, seed, log))
+    profile_dir = (out_dir or RESULTS_DIR) / "profiles" / "stream-cost" if profile else None
+    report = asyncio.run(_run(n, seed, log, profile_dir))
     report.update(date=time.strftime("%Y-%m-%d"), machine=cpu_line(), machine_cpu=cpu_info())
     if out_dir is not None:
         out_dir.mkdir(parents=True, exist_ok=True)
@@ -244,12 +276,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--requests", type=int, default=96)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also sample the gateway and the replica with py-spy (results/profiles/stream-cost/)",
+    )
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     import sys
 
-    report = run_benchmark(args.requests, args.seed, args.out, log=lambda m: print(m, file=sys.stderr))
+    report = run_benchmark(
+        args.requests, args.seed, args.out, log=lambda m: print(m, file=sys.stderr), profile=args.profile
+    )
     print(to_markdown(report))
     return 0

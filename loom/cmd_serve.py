@@ -19,6 +19,7 @@ from tenancy.models import SHARED_POOL
 
 if TYPE_CHECKING:
     from gateway.settings import GatewaySettings
+    from serving.start_phases import StartWatcher
     from tenancy import TenancySettings
 
 log = logging.getLogger("loom.serve")
@@ -89,6 +90,15 @@ def _banner(address: str, http_address: str | None, demo_key: str | None, tls: b
     return "\n".join(lines)
 
 
+async def _show_start(watcher: StartWatcher, period_s: float = 2.0) -> None:
+    """While replicas start: Serve's replica states and each replica's phase, as they change."""
+    started = time.monotonic()
+    while True:
+        await asyncio.sleep(period_s)
+        for line in await asyncio.to_thread(watcher.poll):
+            print(f"  [{time.monotonic() - started:4.0f} s] {line}", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from pydantic import ValidationError
@@ -136,6 +146,7 @@ async def _serve(
         start_ray,
         start_serve,
     )
+    from serving.start_phases import StartWatcher
 
     started = time.monotonic()
     engine = EngineConfig(model_path=args.model) if args.model else EngineConfig()
@@ -155,19 +166,23 @@ async def _serve(
     await asyncio.to_thread(start_serve)
 
     running: RunningGateway | None = None
-    if args.gateway_in_serve:
-        app = gateway_app(pools, gateway, tenancy)
-        handle = await asyncio.to_thread(deploy, app, "loom")
-        address = await handle.address.remote()
-        http_address = await handle.http_address.remote()
-    else:
-        routes = []
-        for p in pools:
-            app = engine_app(p)
-            handle = await asyncio.to_thread(deploy, app, p.deployment_name)
-            routes.append(serve_route(handle, p.name, model_path(p)))
-        running = await start_gateway(gateway, tenancy, routes)
-        address, http_address = running.server.address, running.server.http_address
+    watcher = asyncio.create_task(_show_start(StartWatcher()))
+    try:
+        if args.gateway_in_serve:
+            app = gateway_app(pools, gateway, tenancy)
+            handle = await asyncio.to_thread(deploy, app, "loom")
+            address = await handle.address.remote()
+            http_address = await handle.http_address.remote()
+        else:
+            routes = []
+            for p in pools:
+                app = engine_app(p)
+                handle = await asyncio.to_thread(deploy, app, p.deployment_name)
+                routes.append(serve_route(handle, p.name, model_path(p)))
+            running = await start_gateway(gateway, tenancy, routes)
+            address, http_address = running.server.address, running.server.http_address
+    finally:
+        watcher.cancel()
     print(f"ready in {time.monotonic() - started:.0f} s", file=sys.stderr)
     print(_banner(address, http_address, demo_key, bool(args.tls_cert)), flush=True)
 

@@ -1,7 +1,9 @@
 """The engine pools the gateway dispatches into (the ``gateway.engine_pool.EnginePool`` seam).
 
-``ServeEnginePool`` dispatches into a Ray Serve deployment of engine replicas through a streaming
-``DeploymentHandle`` (the production path; Loom's request router picks the replica).
+``ServeEnginePool`` dispatches into a Ray Serve deployment of engine replicas through a
+``DeploymentHandle`` (the production path; Loom's request router picks the replica), one call per
+request, whose deltas come back in bulk on this process's stream from that replica
+(serving/delta_streams.py).
 ``LocalEnginePool`` runs an engine in the gateway's own process (single-process tools and benchmarks).
 Both stream ``RequestOutput`` deltas and stop the request in the engine when the caller goes away.
 """
@@ -23,7 +25,9 @@ from gateway.engine_pool import WorkerLostError
 from protocol.model_info import ModelInfo
 from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
+from serving.delta_streams import CALL_ENDED, DeltaStreams, Item
 from serving.replica_stats import ReplicaStatsRegistry
+from serving.router import ReplicaGoneError
 from tenancy.models import SHARED_POOL
 
 if TYPE_CHECKING:  # a gateway process never loads the engine: only LocalEnginePool's callers do
@@ -31,8 +35,23 @@ if TYPE_CHECKING:  # a gateway process never loads the engine: only LocalEngineP
 
 log = logging.getLogger(__name__)
 
-# What losing a replica looks like from a DeploymentHandle's stream.
-_LOST = (ray.exceptions.RayActorError, ReplicaUnavailableError, DeploymentUnavailableError, EngineDeadError)
+
+class DeltasLostError(RuntimeError):
+    """A request's call ended but its final delta never came (its replica's stream broke)."""
+
+
+# What losing a replica looks like from a DeploymentHandle's call or stream.
+_LOST = (
+    ray.exceptions.RayActorError,
+    ReplicaUnavailableError,
+    DeploymentUnavailableError,
+    EngineDeadError,
+    DeltasLostError,
+    ReplicaGoneError,
+)
+# After a request's call has returned, its final delta is on its way; this long without it, the
+# stream that should carry it is lost.
+FINAL_DELTA_GRACE_S = 10.0
 
 
 class LocalEnginePool:
@@ -69,6 +88,7 @@ class ServeEnginePool:
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
         self._stream = handle.options(stream=True)
+        self._deltas = DeltaStreams(handle, self.deployment, stats)
 
     async def describe(self) -> ModelInfo:
         info: ModelInfo = await self._handle.model_info.remote()
@@ -78,13 +98,29 @@ class ServeEnginePool:
         losses = errors = 0
         current = request
         while True:
-            # A handle with stream=True answers a generator (its type cannot say so).
-            response = cast(DeploymentResponseGenerator[RequestOutput], self._stream.generate.remote(current))
+            queue = self._deltas.open(current.request_id)
+            # A streaming call that yields nothing (Serve counts it ongoing while the request runs).
+            response = cast(
+                DeploymentResponseGenerator[None],
+                self._stream.generate.remote(current, self._deltas.subscriber),
+            )
+            watcher = asyncio.ensure_future(_watch(response, queue))
             delivered = False
             finished = False
             retry = False
+            call_ended = False
             try:
-                async for out in response:
+                while not finished:
+                    if call_ended:
+                        item = await _final(queue)
+                    else:
+                        item = await queue.get()
+                    if isinstance(item, BaseException):
+                        raise item
+                    if not isinstance(item, RequestOutput):  # CALL_ENDED
+                        call_ended = True
+                        continue
+                    out = item
                     failed_first = not delivered and out.finish_reason is FinishReason.ERROR
                     if failed_first and errors < self.RETRIES_AFTER_ENGINE_ERROR:
                         errors += 1
@@ -106,8 +142,12 @@ class ServeEnginePool:
                 await asyncio.sleep(0.5 * losses)  # let Serve mark the replica dead or replace it
                 log.warning("replica lost before output (%s); retrying request %s", exc, request.request_id)
             finally:
+                # Unfinished: the request is aborted on its replica (a cancel of the call alone does
+                # not reach the replica while its call waits without yielding).
+                self._deltas.close(current.request_id, abort=not finished)
                 if not finished:
-                    response.cancel()  # type: ignore[no-untyped-call]  # the replica's generator is cancelled: it aborts the request
+                    response.cancel()  # type: ignore[no-untyped-call]
+                watcher.cancel()
             attempt = losses + errors
             current = dataclasses.replace(
                 request, request_id=f"{request.request_id}#retry{attempt}", retry_of=current.request_id
@@ -115,3 +155,24 @@ class ServeEnginePool:
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return self._stats.replicas(self.deployment)
+
+
+async def _watch(response: DeploymentResponseGenerator[None], queue: asyncio.Queue[Item]) -> None:
+    """How the request's call ended, into its queue: an error (refused, replica lost) or done."""
+    try:
+        async for _ in response:
+            pass
+    except asyncio.CancelledError:
+        raise
+    except BaseException as exc:  # handed to the request's reader, which decides
+        queue.put_nowait(exc)
+    else:
+        queue.put_nowait(CALL_ENDED)
+
+
+async def _final(queue: asyncio.Queue[Item]) -> Item:
+    try:
+        async with asyncio.timeout(FINAL_DELTA_GRACE_S):
+            return await queue.get()
+    except TimeoutError:
+        raise DeltasLostError(f"no final delta {FINAL_DELTA_GRACE_S:g} s after the call ended") from None

@@ -1,13 +1,16 @@
 """The engine as a Ray Serve deployment: each replica owns a device, the model, the KV cache and the
-engine loop, and streams each request's deltas back through ``DeploymentHandle.options(stream=True)``.
+engine loop.
 
-A caller that stops consuming (client cancelled, deadline passed) cancels the replica's generator;
-its ``finally`` aborts the request in the engine, so KV blocks are freed at the next step.
+A request is one call, ``generate(request, subscriber)``, open while the request runs (so Serve
+counts it as ongoing: routing, autoscaling and draining see the real load); its deltas travel in
+bulk on the subscriber's stream, ``deltas``, which carries every request of that gateway process on
+this replica (serving/outbox.py). A caller that cancels the call (client gone, deadline passed)
+aborts the request in the engine, so its KV blocks are freed at the next step.
 """
 
 from __future__ import annotations
 
-import contextlib
+import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
@@ -15,13 +18,16 @@ from typing import TYPE_CHECKING, Any
 from ray import serve
 from ray.serve import Deployment
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.exceptions import RayServeException
 
 from protocol.engine_config import EngineConfig
 from protocol.model_info import ModelInfo
 from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
+from serving import start_phases
+from serving.outbox import Outboxes
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
-from serving.router import ROUTER_CLASS
+from serving.router import ROUTER_CLASS, Pinned, ReplicaGoneError
 
 if TYPE_CHECKING:
     from worker.api import AsyncEngine
@@ -33,6 +39,7 @@ log = logging.getLogger(__name__)
 # stuck behind a backlog of batch work that Serve is holding back.
 MAX_ONGOING_REQUESTS = 4096
 ROUTING_STATS_PERIOD_S = 1.0
+SWEEP_PERIOD_S = 5.0  # how often requests of subscribers gone for good are looked for
 
 
 class EngineReplica:
@@ -40,19 +47,66 @@ class EngineReplica:
 
     def __init__(self, engine_config: EngineConfig, pool: str) -> None:
         self.pool = pool
+        deployment, replica = _whoami()
+        self.replica_id = replica
+        start_phases.report(deployment, replica, "importing torch and the engine")
         # The engine is imported here, in the replica's process: whoever only builds the deployment
         # (loom serve's gateway, build_app) never loads torch.
         from worker.api import AsyncEngine, LLMEngine
 
-        self.engine: AsyncEngine = AsyncEngine(LLMEngine(engine_config)).start()
+        start_phases.report(
+            deployment,
+            replica,
+            "loading the model and the compiled CPU kernels (a first build takes minutes)",
+        )
+        core = LLMEngine(engine_config)
+        start_phases.report(deployment, replica, "starting the engine loop")
+        self.engine: AsyncEngine = AsyncEngine(core).start()
         self.info = self.engine.engine.model_info(pool)
+        start_phases.report(deployment, replica, "ready")
+        self._outboxes = Outboxes(self.engine.abort)
+        self._sweeper: asyncio.Task[None] | None = None
         log.info("engine replica ready: %s", self.info)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
-        # Closing this generator closes the engine's stream at once, which aborts the request.
-        async with contextlib.aclosing(self.engine.generate(request)) as stream:
-            async for out in stream:
-                yield out
+    async def generate(self, request: GenerationRequest, subscriber: str) -> AsyncIterator[None]:
+        """Run ``request`` until it ends; its deltas go to ``subscriber``'s stream (``deltas``).
+
+        A streaming call that yields nothing, open while the request runs; a caller that gives up
+        calls ``abort`` (pinned to this replica). Raises InvalidRequestError at once if the engine
+        cannot serve it, EngineDeadError if the engine died under it.
+        """
+        box = self._outboxes.of(subscriber)
+        done = box.track(request.request_id)
+        try:
+            self.engine.submit(request, box)
+        except BaseException:
+            box.untrack(request.request_id)
+            raise
+        if self._sweeper is None:
+            self._sweeper = asyncio.create_task(self._sweep())
+        try:
+            await done
+        finally:
+            if not done.done():  # cancelled: the caller went away
+                box.untrack(request.request_id)
+                self.engine.abort(request.request_id)
+        nothing: tuple[None, ...] = ()
+        for item in nothing:  # an async generator (Serve streams it) that yields nothing
+            yield item
+
+    async def deltas(self, pinned: Pinned) -> AsyncIterator[list[RequestOutput]]:
+        """The subscriber's stream on this replica: an empty batch once open, then every delta owed
+        to it, many requests' per item; it ends when nothing is owed or live for a while."""
+        self._check_pin(pinned)
+        async for batch in self._outboxes.of(pinned.subscriber).stream():
+            yield batch
+
+    async def _sweep(self) -> None:
+        while True:
+            await asyncio.sleep(SWEEP_PERIOD_S)
+            aborted = self._outboxes.sweep()
+            if aborted:
+                log.warning("aborted %d requests whose gateway holds no stream any more", len(aborted))
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -60,8 +114,15 @@ class EngineReplica:
     async def stats(self) -> EngineStats:
         return self.engine.stats()
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, pinned: Pinned, request_id: str) -> None:
+        """Stop a request its caller gave up on (pinned here: a call's cancel does not reach a call
+        that is waiting, not yielding)."""
+        self._check_pin(pinned)
         self.engine.abort(request_id)
+
+    def _check_pin(self, pinned: Pinned) -> None:
+        if pinned.replica_id != self.replica_id:
+            raise ReplicaGoneError(f"replica {pinned.replica_id} is gone (this is {self.replica_id})")
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router (Serve's channel carries plain dicts)."""
@@ -76,9 +137,21 @@ class EngineReplica:
             raise EngineDeadError(f"the last {failing} forward passes failed")
 
     def __del__(self) -> None:
+        sweeper = getattr(self, "_sweeper", None)
+        if sweeper is not None:
+            sweeper.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=2.0)
+
+
+def _whoami() -> tuple[str, str]:
+    """(deployment, replica id) inside Serve; built outside it (a test, a tool), a local stand-in."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return "local", "local"
+    return context.deployment, context.replica_id.unique_id
 
 
 def engine_deployment(

@@ -19,9 +19,9 @@ import logging
 from array import array
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
-from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
+from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from common import Priority
 from protocol.requests import GenerationRequest
@@ -31,6 +31,7 @@ from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS, process_registry
 log = logging.getLogger(__name__)
 
 ROUTER_CLASS = "serving.router:LoomRequestRouter"
+R = TypeVar("R")
 
 AFFINITY_TOKENS = 128  # prompt tokens that identify a shared prefix
 AFFINITY_TOLERANCE = 0.25  # load-score slack a preferred replica may have over the least loaded
@@ -87,6 +88,34 @@ def rank(
     return [c.replica_id for c in ordered]
 
 
+@dataclass(frozen=True)
+class Pinned:
+    """The argument of a call that must reach one replica: a subscriber's delta stream there, or an
+    abort. A pin to a replica the router no longer lists goes to any replica, which refuses it
+    (``ReplicaGoneError``): a routing task left waiting for a replica that is gone would hold one
+    of the router's few routing tasks forever, and every other request behind it."""
+
+    replica_id: str
+    subscriber: str
+
+
+class ReplicaGoneError(RuntimeError):
+    """A pinned call reached another replica: the one it was pinned to is gone."""
+
+
+def pinned_choice(pinned: Pinned, by_id: dict[str, R]) -> list[list[R]]:
+    """That replica; if the router no longer lists it, any (which refuses the call at once)."""
+    if pinned.replica_id in by_id:
+        return [[by_id[pinned.replica_id]]]
+    return [list(by_id.values())]
+
+
+def _pinned_of(pending: PendingRequest | None) -> Pinned | None:
+    if pending is None:
+        return None
+    return next((a for a in (*pending.args, *pending.kwargs.values()) if isinstance(a, Pinned)), None)
+
+
 def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
     if pending is None:
         return None
@@ -96,7 +125,10 @@ def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
     return None
 
 
-class LoomRequestRouter(FIFOMixin, RequestRouter):
+class LoomRequestRouter(RequestRouter):
+    """Each request gets the replica chosen for it (Serve's default matching by request id; a FIFO
+    mixin would hand the choice to whichever request waits longest, losing pins and affinity)."""
+
     def initialize_state(self, **kwargs: Any) -> None:
         self._affinity: OrderedDict[bytes, str] = OrderedDict()
         self._sent: dict[str, int] = defaultdict(int)
@@ -132,9 +164,12 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
     ) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
+        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
+        pinned = _pinned_of(pending_request)
+        if pinned is not None:
+            return pinned_choice(pinned, by_id)
         request = _request_of(pending_request)
         priority = request.priority if request is not None else Priority.STANDARD
-        by_id = {r.replica_id.unique_id: r for r in candidate_replicas}
         scored = [
             Candidate(rid, load_score(self._stats.get(rid), priority, self._sent[rid]))
             for rid, r in by_id.items()
@@ -147,10 +182,11 @@ class LoomRequestRouter(FIFOMixin, RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
-        self._sent[rid] += 1
         request = _request_of(pending_request)
-        if request is None:
+        if request is None:  # a pinned call (a delta stream, an abort) is no load
             return
+        self._sent[rid] += 1
+        self._registry.routed(self._deployment_key(), request.request_id, rid)
         self._served_by[request.request_id] = rid
         while len(self._served_by) > MAX_REMEMBERED_REQUESTS:
             self._served_by.popitem(last=False)

@@ -13,8 +13,8 @@ import contextlib
 import logging
 import queue
 import threading
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Callable
+from typing import Any, Protocol
 
 from protocol.commands import AbortRequest, AddRequest, EngineCommand
 from protocol.requests import (
@@ -30,15 +30,37 @@ from worker.engine import LLMEngine
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class _Sink:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[RequestOutput | BaseException]
+class OutputSink(Protocol):
+    """Where the outputs of some requests go; both methods run on the sink's own loop."""
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        # A closed loop (RuntimeError) means nobody is listening any more.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    loop: asyncio.AbstractEventLoop
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        """One step's outputs of this sink's requests, in request order."""
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        """The request ended without a final output (refused by the engine, or the engine died)."""
+
+
+class _RequestSink:
+    """One request's outputs as a queue its caller iterates (AsyncEngine.generate)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def deliver(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            self.queue.put_nowait(out)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.queue.put_nowait(error)
+
+
+def _on_loop(sink: OutputSink, method: Callable[..., None], *args: Any) -> None:
+    # A closed loop (RuntimeError) means nobody is listening any more.
+    with contextlib.suppress(RuntimeError):
+        sink.loop.call_soon_threadsafe(method, *args)
 
 
 class AsyncEngine:
@@ -46,7 +68,7 @@ class AsyncEngine:
         self.engine = engine
         self._commands: queue.SimpleQueue[EngineCommand] = queue.SimpleQueue()
         self._wake = engine.wakeup  # one event: a command or a finished adapter load wakes the loop
-        self._sinks: dict[str, _Sink] = {}
+        self._sinks: dict[str, OutputSink] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -80,16 +102,8 @@ class AsyncEngine:
 
         Raises InvalidRequestError before streaming anything if the engine cannot serve it.
         """
-        if not self.alive:
-            raise EngineDeadError("the engine is not running")
-        self.engine.validate(request)
-        sink = _Sink(asyncio.get_running_loop(), asyncio.Queue())
-        with self._lock:
-            if request.request_id in self._sinks:
-                raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
-            self._sinks[request.request_id] = sink
-        self._commands.put(AddRequest(request))
-        self._wake.set()
+        sink = _RequestSink(asyncio.get_running_loop())
+        self.submit(request, sink)
         finished = False
         try:
             while True:
@@ -104,6 +118,22 @@ class AsyncEngine:
             if not finished:
                 self.abort(request.request_id)
 
+    def submit(self, request: GenerationRequest, sink: OutputSink) -> None:
+        """Start ``request``; its outputs go to ``sink`` (with those of the sink's other requests).
+
+        Raises InvalidRequestError (or EngineDeadError) at once if the engine cannot serve it; a
+        refusal found later, on the engine thread, reaches ``sink.fail``. Thread-safe.
+        """
+        if not self.alive:
+            raise EngineDeadError("the engine is not running")
+        self.engine.validate(request)
+        with self._lock:
+            if request.request_id in self._sinks:
+                raise InvalidRequestError("request_id", f"{request.request_id!r} is already running")
+            self._sinks[request.request_id] = sink
+        self._commands.put(AddRequest(request))
+        self._wake.set()
+
     def abort(self, request_id: str) -> None:
         """Ask the engine to stop ``request_id``; its blocks are freed before the next step."""
         self._commands.put(AbortRequest(request_id))
@@ -115,13 +145,23 @@ class AsyncEngine:
 
     # ---- the engine thread ---------------------------------------------------------------------
 
-    def _deliver(self, out: RequestOutput) -> None:
+    def _deliver(self, outputs: list[RequestOutput]) -> None:
+        """Hand each sink its share of ``outputs`` in one call on its loop."""
+        batches: dict[int, tuple[OutputSink, list[RequestOutput]]] = {}
         with self._lock:
-            sink = self._sinks.get(out.request_id)
-            if out.finished:
-                self._sinks.pop(out.request_id, None)
-        if sink is not None:
-            sink.put(out)
+            for out in outputs:
+                sink = self._sinks.get(out.request_id)
+                if out.finished:
+                    self._sinks.pop(out.request_id, None)
+                if sink is None:
+                    continue
+                batch = batches.get(id(sink))
+                if batch is None:
+                    batches[id(sink)] = (sink, [out])
+                else:
+                    batch[1].append(out)
+        for sink, batch_outputs in batches.values():
+            _on_loop(sink, sink.deliver, batch_outputs)
 
     def _drain_commands(self) -> None:
         while True:
@@ -137,11 +177,11 @@ class AsyncEngine:
                         with self._lock:
                             sink = self._sinks.pop(req.request_id, None)
                         if sink is not None:
-                            sink.put(exc)
+                            _on_loop(sink, sink.fail, req.request_id, exc)
                 case AbortRequest(request_id=rid):
                     out = self.engine.abort(rid)
                     if out is not None:
-                        self._deliver(out)
+                        self._deliver([out])
 
     def _loop(self) -> None:
         name_os_thread("loom-engine")
@@ -153,8 +193,7 @@ class AsyncEngine:
                     self._wake.wait(timeout=0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
-                    self._deliver(out)
+                self._deliver(self.engine.step())
                 self._stats = self.engine.stats()
                 if (
                     self.engine.stalled()
@@ -172,11 +211,11 @@ class AsyncEngine:
             out = self.engine.abort(rid, FinishReason.ERROR)
             if out is not None:
                 out.error = reason
-                self._deliver(out)
+                self._deliver([out])
         with self._lock:
             sinks, self._sinks = dict(self._sinks), {}
-        for sink in sinks.values():
-            sink.put(EngineDeadError(reason))
+        for rid, sink in sinks.items():
+            _on_loop(sink, sink.fail, rid, EngineDeadError(reason))
 
 
 def name_os_thread(name: str) -> None:

@@ -109,3 +109,53 @@ async def test_shutdown_fails_open_streams(tiny: Checkpoint) -> None:
     assert eng.engine.block_manager.num_used_blocks == 0
     with pytest.raises(EngineDeadError):
         await eng.generate(_req("late")).__anext__()
+
+
+class _StepSink:
+    """Records each hand-over from the engine thread: a list of outputs per call."""
+
+    def __init__(self) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.calls: list[list[str]] = []
+        self.tokens: dict[str, list[int]] = {}
+        self.finished: set[str] = set()
+        self.failed: dict[str, BaseException] = {}
+
+    def deliver(self, outputs: list) -> None:
+        self.calls.append([o.request_id for o in outputs])
+        for o in outputs:
+            self.tokens.setdefault(o.request_id, []).extend(o.token_ids)
+            if o.finished:
+                self.finished.add(o.request_id)
+
+    def fail(self, request_id: str, error: BaseException) -> None:
+        self.failed[request_id] = error
+
+
+async def test_a_sink_gets_all_its_requests_outputs_of_a_step_in_one_call(
+    engine: AsyncEngine, tiny: Checkpoint
+) -> None:
+    offline = LLMEngine(EngineConfig(num_blocks=128, block_size=8), tiny)
+    expected = offline.run_to_completion([_req(f"s{i}", 10, f"prompt {i}") for i in range(4)])
+    sink = _StepSink()
+    for i in range(4):
+        engine.submit(_req(f"s{i}", 10, f"prompt {i}"), sink)
+    await eventually(lambda: len(sink.finished) == 4)
+    assert {rid: sink.tokens[rid] for rid in sink.finished} == {k: v.token_ids for k, v in expected.items()}
+    # Four requests of ten tokens: per-request delivery would take 40 calls; a batch of four
+    # takes one per step (the requests may join over a step or two).
+    assert len(sink.calls) <= 14 and max(len(c) for c in sink.calls) == 4
+    assert all(len(c) == len(set(c)) for c in sink.calls)  # a request at most once per hand-over
+
+
+async def test_shutdown_ends_every_request_of_a_sink(engine: AsyncEngine) -> None:
+    sink = _StepSink()
+    for i in range(3):
+        engine.submit(_req(f"d{i}", 10_000), sink)
+    with pytest.raises(InvalidRequestError, match="already running"):
+        engine.submit(_req("d0", 5), sink)
+    await eventually(lambda: len(sink.tokens) == 3)  # all three are running
+    engine.shutdown()
+    # Each ended exactly one way: an error delta (it was running) or a failure (never started).
+    await eventually(lambda: sink.finished | set(sink.failed) == {"d0", "d1", "d2"})
+    assert not sink.finished & set(sink.failed)

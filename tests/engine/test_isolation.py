@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 from typing import Any
 
@@ -11,7 +12,7 @@ import torch
 import worker.model_runner
 from protocol.adapters import LoraRequest
 from protocol.engine_config import EngineConfig
-from protocol.requests import FinishReason, GenerationRequest, SamplingParams
+from protocol.requests import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from tests.helpers import eventually
 from worker.checkpoint import Checkpoint
 from worker.engine import LLMEngine
@@ -103,7 +104,7 @@ async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
 
         monkeypatch.setattr(core.model, "forward", broken)
         for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
-            outs = [o async for o in replica.generate(_req(f"r{i}", "x", max_tokens=2))]
+            outs = await _through_replica(replica, _req(f"r{i}", "x", max_tokens=2))
             assert outs[-1].finish_reason is FinishReason.ERROR
             # The engine thread publishes its stats just after delivering the step's outputs.
             await eventually(lambda n=i + 1: replica.engine.stats().consecutive_failed_steps == n)
@@ -197,3 +198,23 @@ def test_a_step_whose_forward_fails_still_ends_the_requests_the_gate_rejected(
     assert engine.stats().finished_requests == 2
     engine.block_manager.check_consistency()
     assert engine.block_manager.num_used_blocks == 0
+
+
+async def _through_replica(replica: Any, request: GenerationRequest) -> list[RequestOutput]:
+    """One request as a gateway sends it: the call, its deltas on the subscriber's stream."""
+    from serving.router import Pinned
+
+    stream = replica.deltas(Pinned(replica.replica_id, "test-gateway"))
+    assert await anext(stream) == []  # the stream is open
+    call = asyncio.ensure_future(_exhaust(replica.generate(request, "test-gateway")))
+    outs: list[RequestOutput] = []
+    while not (outs and outs[-1].finished):
+        outs += await asyncio.wait_for(anext(stream), 30)
+    await call
+    await stream.aclose()
+    return outs
+
+
+async def _exhaust(stream: Any) -> None:
+    async for _ in stream:
+        pass

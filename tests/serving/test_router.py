@@ -7,7 +7,7 @@ from dataclasses import replace
 from common import Priority
 from protocol.requests import GenerationRequest
 from protocol.stats import EngineStats
-from serving.router import Candidate, affinity_key, load_score, rank
+from serving.router import Candidate, Pinned, affinity_key, load_score, pinned_choice, rank
 
 
 def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> EngineStats:
@@ -88,3 +88,10 @@ def test_an_adapter_request_prefers_a_replica_that_holds_it_while_load_allows() 
     assert holder == "b"  # the least loaded of those holding it
     assert rank(candidates, holder)[0] == "b"  # within tolerance of the idlest
     assert adapter_holder(candidates, stats, "t/other@2") is None
+
+
+def test_a_pinned_call_goes_to_its_replica_or_if_gone_anywhere_that_refuses_it() -> None:
+    replicas = {"r1": "replica one", "r2": "replica two"}
+    assert pinned_choice(Pinned("r2", "gateway"), replicas) == [["replica two"]]
+    # Waiting for a replica that is gone would hold one of the router's routing tasks forever.
+    assert pinned_choice(Pinned("gone", "gateway"), replicas) == [["replica one", "replica two"]]
