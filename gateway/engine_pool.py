@@ -28,3 +28,6 @@ class EnginePool(Protocol):
     def generate(self, request: GenerationRequest) -> AsyncGenerator[RequestOutput, None]: ...
 
     def replica_stats(self) -> dict[str, EngineStats]: ...
+
+    async def close(self) -> None:
+        """Stop what the pool runs in the background (before its transport shuts down)."""

@@ -66,14 +66,18 @@ class GatewayServer:
         s = self.settings
         server = build_server(self.path, s, self._health)
         target = f"{s.host}:{s.port}"
-        if s.tls_cert_file and s.tls_key_file:
-            files = TlsFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
-            self.tls = CertificateReloader(files, on_reload=self.http.use_certificate)
-            self.port = server.add_secure_port(target, self.tls.grpc_credentials())
-        else:
-            self.port = server.add_insecure_port(target)
+        try:
+            if s.tls_cert_file and s.tls_key_file:
+                files = TlsFiles(s.tls_cert_file, s.tls_key_file, s.tls_client_ca_file)
+                self.tls = CertificateReloader(files, on_reload=self.http.use_certificate)
+                self.port = server.add_secure_port(target, self.tls.grpc_credentials())
+            else:
+                self.port = server.add_insecure_port(target)
+        except RuntimeError:  # grpc's word for a bind that failed
+            self.port = 0
         if not self.port:
-            raise OSError(f"cannot listen on {target}")
+            shared = "" if s.reuse_port else " (another gateway shares it only with reuse_port set)"
+            raise OSError(f"cannot listen on {target}: the address is in use or not this host's{shared}")
         if s.metrics_port is not None:
             self._metrics_server = start_metrics_server(s.metrics_host, s.metrics_port)
         try:
@@ -129,6 +133,8 @@ class GatewayServer:
         await asyncio.sleep(refuse)
         await asyncio.gather(self._server.stop(grace - refuse), self.http.stop())
         self._server = None
+        for route in self.catalog.routes:  # their background streams, while their transport is up
+            await route.pool.close()
         if self._tls_watch is not None:
             self._tls_watch.cancel()
             self._tls_watch = None

@@ -18,6 +18,11 @@ class GatewaySettings(BaseSettings):
     http_keepalive_s: float = Field(
         5.0, gt=0, description="idle HTTP keep-alive connections close after this"
     )
+    reuse_port: bool = Field(
+        False,
+        description="share the gRPC and HTTP ports with other gateway processes on this host (SO_REUSEPORT: "
+        "the kernel spreads connections over them); off, a port already in use is an error",
+    )
     metrics_host: str = "127.0.0.1"
     metrics_port: int | None = Field(9464, ge=0, le=65535, description="None disables the metrics endpoint")
     tls_cert_file: str | None = None

@@ -55,6 +55,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--redis-url", default=None, help="use the Redis tenant store (default: .loom/tenants.yaml)"
     )
     p.add_argument("--gateway-in-serve", action="store_true", help="run the gateway as a Serve deployment")
+    p.add_argument(
+        "--gateways",
+        type=int,
+        default=1,
+        help="gateway processes sharing the ports (SO_REUSEPORT; as Serve replicas; needs --redis-url, "
+        "where quotas stay exact across them)",
+    )
     p.add_argument("--tls-cert", default=None)
     p.add_argument("--tls-key", default=None)
     p.add_argument("--tls-client-ca", default=None, help="require client certificates signed by this CA")
@@ -126,6 +133,21 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.no_http:
         gateway = gateway.model_copy(update={"http_port": None})
+    if args.gateways > 1:
+        if not args.redis_url:
+            print(
+                "loom serve: --gateways > 1 needs --redis-url: quotas are exact across gateway "
+                "processes only when they admit in Redis",
+                file=sys.stderr,
+            )
+            return 2
+        if gateway.port == 0 or gateway.http_port == 0:
+            print("loom serve: --gateways > 1 needs fixed ports (they share them)", file=sys.stderr)
+            return 2
+        # One metrics port per process would be needed; a shared one would answer for a random one.
+        print("loom serve: the Prometheus endpoint is off with several gateway processes", file=sys.stderr)
+        gateway = gateway.model_copy(update={"reuse_port": True, "metrics_port": None})
+        args.gateway_in_serve = True
     demo_key = bootstrap_embedded(tenancy) if tenancy.store == "file" else None
     try:
         return asyncio.run(_serve(args, gateway, tenancy, demo_key))
@@ -169,7 +191,7 @@ async def _serve(
     watcher = asyncio.create_task(_show_start(StartWatcher()))
     try:
         if args.gateway_in_serve:
-            app = gateway_app(pools, gateway, tenancy)
+            app = gateway_app(pools, gateway, tenancy, replicas=args.gateways)
             handle = await asyncio.to_thread(deploy, app, "loom")
             address = await handle.address.remote()
             http_address = await handle.http_address.remote()

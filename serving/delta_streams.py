@@ -81,7 +81,7 @@ class DeltaStreams:
         self._queues[request_id] = queue
         return queue
 
-    def close(self, request_id: str, *, abort: bool = False) -> None:
+    def release(self, request_id: str, *, abort: bool = False) -> None:
         """The request is over for this process: later deltas of it are dropped. With ``abort``
         (given up before its end), it is stopped on its replica, now or once routed."""
         self._queues.pop(request_id, None)
@@ -100,11 +100,14 @@ class DeltaStreams:
         if not follower.requests and not follower.opened and follower.task is not None:
             follower.task.cancel()  # never opened: the replica may be gone, stop asking the router
 
-    def stop(self) -> None:
+    async def close(self) -> None:
+        """Stop every stream and abort in flight, and wait for them: a Ray stream touched after Ray
+        shut down ends the whole process (its core worker exits)."""
         self._registry.unlisten_routed(self._deployment, self._routed_threadsafe)
-        for follower in self._followers.values():
-            if follower.task is not None:
-                follower.task.cancel()
+        tasks = [f.task for f in self._followers.values() if f.task is not None] + list(self._aborts)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     # ---- the router's news -------------------------------------------------------------------------
 

@@ -71,6 +71,9 @@ class LocalEnginePool:
     def replica_stats(self) -> dict[str, EngineStats]:
         return {"local": self.engine.stats()}
 
+    async def close(self) -> None:
+        """The engine is its owner's to stop."""
+
 
 class ServeEnginePool:
     """A Ray Serve deployment of ``serving.replica.EngineReplica``."""
@@ -144,7 +147,7 @@ class ServeEnginePool:
             finally:
                 # Unfinished: the request is aborted on its replica (a cancel of the call alone does
                 # not reach the replica while its call waits without yielding).
-                self._deltas.close(current.request_id, abort=not finished)
+                self._deltas.release(current.request_id, abort=not finished)
                 if not finished:
                     response.cancel()  # type: ignore[no-untyped-call]
                 watcher.cancel()
@@ -155,6 +158,10 @@ class ServeEnginePool:
 
     def replica_stats(self) -> dict[str, EngineStats]:
         return self._stats.replicas(self.deployment)
+
+    async def close(self) -> None:
+        """Close the delta streams while Ray is up (a stream read after Ray's shutdown ends the process)."""
+        await self._deltas.close()
 
 
 async def _watch(response: DeploymentResponseGenerator[None], queue: asyncio.Queue[Item]) -> None:

@@ -24,7 +24,7 @@ def build_server(
         interceptors=[AuthInterceptor(path.authenticate)],
         maximum_concurrent_rpcs=s.max_concurrent_streams,
         options=[
-            ("grpc.so_reuseport", 0),
+            ("grpc.so_reuseport", int(s.reuse_port)),
             ("grpc.max_concurrent_streams", s.max_streams_per_connection),
             ("grpc.keepalive_time_ms", int(s.keepalive_time_s * 1000)),
             ("grpc.keepalive_timeout_ms", int(s.keepalive_timeout_s * 1000)),

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import socket
 import ssl
 from collections.abc import Callable, Iterator
 
@@ -41,7 +42,8 @@ class HttpFront:
             ssl_cert_reqs=ssl.CERT_REQUIRED if s.tls_client_ca_file else ssl.CERT_NONE,
         )
         server = _QuietServer(config)
-        self._task = asyncio.create_task(server.serve())
+        sockets = [_shared_socket(host, port)] if s.reuse_port else None
+        self._task = asyncio.create_task(server.serve(sockets=sockets))
         while not server.started:
             if self._task.done():
                 await self._task  # raises what stopped it (a port in use...)
@@ -69,6 +71,18 @@ class HttpFront:
         with contextlib.suppress(Exception):
             await self._task
         self._server = None
+
+
+def _shared_socket(host: str, port: int) -> socket.socket:
+    """A listening socket other gateway processes on this host may bind too (SO_REUSEPORT)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
 
 
 class _QuietServer(uvicorn.Server):

@@ -146,6 +146,9 @@ class ScriptedPool:
     def replica_stats(self) -> dict[str, Any]:
         return {}
 
+    async def close(self) -> None:
+        return None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         try:

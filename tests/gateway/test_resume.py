@@ -33,6 +33,9 @@ class DyingPool:
     def replica_stats(self) -> dict:
         return {}
 
+    async def close(self) -> None:
+        return None
+
     async def generate(self, request: GenerationRequest) -> AsyncIterator[RequestOutput]:
         self.requests.append(request)
         start = request.num_resumed_tokens

@@ -34,6 +34,7 @@ REPORTS = [
     ("soak", "fuzz_markdown", "fuzz"),
     ("sim_experiments", "to_markdown", "simulator"),
     ("bench_stream_cost", "to_markdown", "stream-cost"),
+    ("bench_stream_cost", "to_markdown", "stream-cost-per-item"),
     *(
         ("report", "to_markdown", f"served/{p.parent.name}/report")
         for p in sorted(RESULTS.glob("served/*/report.json"))

@@ -76,7 +76,7 @@ async def test_one_stream_per_replica_carries_every_request_there() -> None:
     assert (await _get(qb)).token_ids == [2]
     assert (await _get(qc)).token_ids == [3]
     assert sorted(replicas.opened) == ["r1", "r2"]  # one stream each, not one per request
-    streams.stop()
+    await streams.close()
 
 
 async def test_a_failed_stream_fails_the_requests_on_its_replica_only() -> None:
@@ -89,7 +89,7 @@ async def test_a_failed_stream_fails_the_requests_on_its_replica_only() -> None:
     assert isinstance(await _get(qa), ConnectionError)
     replicas.feed("r2").put_nowait([_out("b", 9, done=True)])
     assert (await _get(qb)).token_ids == [9]
-    streams.stop()
+    await streams.close()
 
 
 async def test_deltas_of_a_closed_request_are_dropped() -> None:
@@ -99,8 +99,8 @@ async def test_deltas_of_a_closed_request_are_dropped() -> None:
     registry.routed(DEPLOYMENT, "a", "r1")
     registry.routed(DEPLOYMENT, "b", "r1")
     await asyncio.sleep(0.01)
-    streams.close("a")
+    streams.release("a")
     replicas.feed("r1").put_nowait([_out("a", 1), _out("b", 2)])
     assert (await _get(qb)).token_ids == [2]
     assert qa.empty()
-    streams.stop()
+    await streams.close()
