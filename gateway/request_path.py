@@ -52,6 +52,7 @@ from gateway.metrics import (
 from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
+from gateway.stall_watch import StallWatch
 from gateway.validation import ValidRequest, validate
 from protocol.adapters import LoraRequest
 from protocol.limits import LIMITS, Violation
@@ -99,6 +100,8 @@ class RequestPath:
         self.catalog = catalog
         self.settings = settings
         self._large_tokenize = asyncio.Semaphore(LARGE_TOKENIZE_SLOTS)
+        # Both fronts' writes to clients, under one clock (a client that reads nothing loses its stream).
+        self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self.draining = False  # set when the gateway drains: new calls are refused, streams go on
 
     # ---- the operations fronts call ------------------------------------------------------------------
@@ -349,6 +352,7 @@ class RequestPath:
         if v.user is not None:
             log.info("request %s tenant %s for its user %r", v.request_id, tenant.id, v.user)
         priority = call.priority
+        generated = GENERATION_TOKENS.labels(tenant.id)  # one label lookup per request, not per delta
         first_token_at: float | None = None
         last_token_at = call.started
         delivered = 0
@@ -373,7 +377,7 @@ class RequestPath:
                                 TTFT.labels(priority).observe(now - call.started)
                             last_token_at = now
                             delivered += len(out.token_ids)
-                            GENERATION_TOKENS.labels(tenant.id).inc(len(out.token_ids))
+                            generated.inc(len(out.token_ids))
                         completion[index] = out.completion_tokens
                         lease.completion_tokens = sum(completion)
                         if index == 0:

@@ -24,6 +24,7 @@ from typing import Any
 
 from rich.console import Console
 
+from loadtest import bench_served_peer
 from loadtest.generator import plan_workload
 from loadtest.loadtest_cli import run_workload
 from loadtest.machine import cpu_info, cpu_line
@@ -269,10 +270,19 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run only these experiments or runs (repeatable); the summary reads the others' last reports",
     )
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument(
+        "--peer",
+        choices=("vllm",),
+        help="instead: Loom served against vLLM's OpenAI server, the same streams from one client "
+        "(results/served-vs-vllm.md; needs `make peer-vllm`, about 10 min)",
+    )
+    bench_served_peer.add_arguments(p)
     p.set_defaults(func=lambda args: _main(args))
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.peer:
+        return bench_served_peer.main(args)
     result = run_benchmark(args.out, set(args.only) if args.only else None)
     print(json.dumps(result["summary"], indent=1, default=str)[:4000])
     return 0

@@ -143,12 +143,22 @@ def workload(n: int, seed: int) -> list[tuple[str, int]]:
     ]
 
 
-async def _stream(client: Any, model: str, prompt: str, max_tokens: int) -> tuple[int, float | None]:
-    """One greedy stream: (completion tokens by the final usage, seconds to the first content)."""
+@dataclass(frozen=True)
+class StreamResult:
+    """One greedy stream as the client saw it: the usage it was billed and what it read."""
+
+    completion_tokens: int
+    prompt_tokens: int
+    ttft_s: float | None  # seconds to the first content
+    text: str
+
+
+async def stream(client: Any, model: str, prompt: str, max_tokens: int) -> StreamResult:
     started = time.perf_counter()
     first: float | None = None
-    tokens = 0
-    stream = await client.chat.completions.create(
+    usage = None
+    text: list[str] = []
+    chunks = await client.chat.completions.create(
         model=model,
         messages=[{"role": "user", "content": prompt}],
         max_tokens=max_tokens,
@@ -156,15 +166,20 @@ async def _stream(client: Any, model: str, prompt: str, max_tokens: int) -> tupl
         stream=True,
         stream_options={"include_usage": True},
     )
-    async for chunk in stream:
-        if first is None and chunk.choices and chunk.choices[0].delta.content:
-            first = time.perf_counter() - started
+    async for chunk in chunks:
+        if chunk.choices and chunk.choices[0].delta.content:
+            if first is None:
+                first = time.perf_counter() - started
+            text.append(chunk.choices[0].delta.content)
         if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return tokens, first
+            usage = chunk.usage
+    if usage is None:
+        raise RuntimeError("the stream ended without its usage")
+    return StreamResult(usage.completion_tokens, usage.prompt_tokens, first, "".join(text))
 
 
-def _create_tenant(redis_url: str) -> str:
+def create_tenant(redis_url: str) -> str:
+    """An unlimited tenant ``bench`` in the served Loom's Redis; its new API key."""
     from tenancy.models import Quotas, Tenant
     from tenancy.settings import TenancySettings
     from tenancy.store_redis import RedisTenantStore
@@ -195,12 +210,12 @@ async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> 
         t0 = time.monotonic()
         await served.start()
         log(f"served in {time.monotonic() - t0:.0f} s at {served.http_address}")
-        key = _create_tenant(served.redis_url)
+        key = create_tenant(served.redis_url)
         client = AsyncOpenAI(
             base_url=f"http://{served.http_address}/v1", api_key=key, max_retries=0, timeout=600
         )
         model = (await client.models.list()).data[0].id
-        await asyncio.gather(*(_stream(client, model, p, m) for p, m in workload(4, seed + 1)))  # warm-up
+        await asyncio.gather(*(stream(client, model, p, m) for p, m in workload(4, seed + 1)))  # warm-up
         items = workload(n, seed)
         profiles: dict[str, Path] = {}
         with contextlib.ExitStack() as stack:
@@ -209,15 +224,15 @@ async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> 
                 await asyncio.sleep(1.0)  # py-spy attaches before the window opens
             before = snapshot(served.pid, os.getpid())
             wall0 = time.perf_counter()
-            results = await asyncio.gather(*(_stream(client, model, p, m) for p, m in items))
+            results = await asyncio.gather(*(stream(client, model, p, m) for p, m in items))
             wall = time.perf_counter() - wall0
             after = snapshot(served.pid, os.getpid())
         await client.close()
     finally:
         await served.stop()
         served.remove()
-    tokens = sum(t for t, _ in results)
-    ttfts = [f for _, f in results if f is not None]
+    tokens = sum(r.completion_tokens for r in results)
+    ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     groups = cpu_by_group(before, after)
     return {
         "workload": {

@@ -9,9 +9,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
+import os
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from protocol.engine_config import EngineConfig
@@ -23,6 +27,26 @@ if TYPE_CHECKING:
     from tenancy import TenancySettings
 
 log = logging.getLogger("loom.serve")
+
+
+@dataclass(frozen=True)
+class CpuPlan:
+    replica_cpus: float  # each engine replica's Ray reservation
+    ray_cpus: int  # the local Ray cluster's logical CPUs
+
+
+def cpu_plan(cores: int, engine_replicas: int, requested: float | None, gateway_cpus: float) -> CpuPlan:
+    """What each engine replica reserves, and the CPUs a local Ray cluster offers.
+
+    Ray runs an actor's torch (OpenMP) on as many threads as the whole CPUs it reserved, so the old
+    fixed reservation of 1 left a CPU engine single-threaded on a host with more cores (half the
+    decode speed of the same engine offline on 2 cores). By default the host's cores are shared among
+    the engine replicas; the local cluster then offers at least what the replicas and any Serve-run
+    gateways reserve, so none waits unplaced for a fraction of a CPU.
+    """
+    replica_cpus = requested if requested is not None else float(max(1, cores // max(1, engine_replicas)))
+    needed = engine_replicas * replica_cpus + gateway_cpus
+    return CpuPlan(replica_cpus, max(cores, math.ceil(needed)))
 
 
 def _default(field: str) -> object:
@@ -49,7 +73,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--model", default=None, help="a .gguf file or HF directory (default: the embedded model)")
     p.add_argument("--replicas", type=int, default=1, help="engine replicas in the shared pool")
     p.add_argument("--max-replicas", type=int, default=None, help="autoscale the shared pool up to this many")
-    p.add_argument("--replica-cpus", type=float, default=1.0, help="CPUs reserved per engine replica")
+    p.add_argument(
+        "--replica-cpus",
+        type=float,
+        default=None,
+        help="CPUs reserved per engine replica, which are also its torch threads (default: this "
+        "host's cores shared among the engine replicas, at least 1)",
+    )
     p.add_argument("--dedicated-pool", action="append", default=[], help="also deploy a dedicated pool NAME")
     p.add_argument(
         "--redis-url", default=None, help="use the Redis tenant store (default: .loom/tenants.yaml)"
@@ -150,9 +180,20 @@ def run(args: argparse.Namespace) -> int:
         args.gateway_in_serve = True
     demo_key = bootstrap_embedded(tenancy) if tenancy.store == "file" else None
     try:
-        return asyncio.run(_serve(args, gateway, tenancy, demo_key))
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            return runner.run(_serve(args, gateway, tenancy, demo_key))
     except KeyboardInterrupt:
         return 0
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop]:
+    """uvloop where installed (it comes with Ray Serve's uvicorn): a gateway's loop spends most of its
+    CPU in polling and socket writes, which uvloop does in C; Ray runs the gateway on it in Serve too."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - installed with ray[serve]
+        return asyncio.new_event_loop
+    return uvloop.new_event_loop
 
 
 async def _serve(
@@ -168,23 +209,32 @@ async def _serve(
         start_ray,
         start_serve,
     )
+    from serving.ingress import GATEWAY_CPUS
     from serving.start_phases import StartWatcher
 
     started = time.monotonic()
     engine = EngineConfig(model_path=args.model) if args.model else EngineConfig()
+    names = [SHARED_POOL, *args.dedicated_pool]
+    cpus = cpu_plan(
+        len(os.sched_getaffinity(0)),
+        (args.max_replicas or args.replicas) * len(names),
+        args.replica_cpus,
+        args.gateways * GATEWAY_CPUS if args.gateway_in_serve else 0.0,
+    )
     pools = [
         PoolSpec(
             name=name,
             replicas=args.replicas,
             autoscale=args.max_replicas is not None,
             max_replicas=args.max_replicas or args.replicas,
-            num_cpus=args.replica_cpus,
+            num_cpus=cpus.replica_cpus,
             engine=engine,
         )
-        for name in [SHARED_POOL, *args.dedicated_pool]
+        for name in names
     ]
     print("starting Ray and the engine replicas (the first start takes about a minute) ...", file=sys.stderr)
-    await asyncio.to_thread(start_ray, args.ray_address)
+    # A cluster joined keeps its own CPU count; a local one offers what the plan reserves.
+    await asyncio.to_thread(start_ray, args.ray_address, None if args.ray_address else cpus.ray_cpus)
     await asyncio.to_thread(start_serve)
 
     running: RunningGateway | None = None

@@ -47,6 +47,9 @@ class GatewayIngress:
         await self.gateway.stop()
 
 
+GATEWAY_CPUS = 0.5  # a gateway replica's Ray reservation: its loop is mostly waiting on sockets
+
+
 def gateway_deployment(
     gateway_settings: GatewaySettings,
     tenancy_settings: TenancySettings,
@@ -55,7 +58,7 @@ def gateway_deployment(
     *,
     name: str = "gateway",
     num_replicas: int = 1,
-    num_cpus: float = 0.5,
+    num_cpus: float = GATEWAY_CPUS,
     resources: dict[str, float] | None = None,
     runtime_env: dict[str, Any] | None = None,
 ) -> serve.Application:

@@ -7,7 +7,6 @@ refusals into gRPC statuses (gateway/grpc/status.py). Every rule lives in the pa
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 
@@ -20,6 +19,7 @@ from gateway.grpc.status import abort
 from gateway.grpc.stubs import pb, pb_grpc
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest
+from gateway.stall_watch import StreamStalled
 from protocol.limits import Violation
 from protocol.requests import FinishReason
 
@@ -117,7 +117,7 @@ class InferenceService(pb_grpc.InferenceServicer):
             decode_violations=decode_violations,
             ended_early=lambda: ErrorKind.DEADLINE_EXCEEDED if stalled else _ended_early(context),
         )
-        stall_s = self.path.settings.stream_stall_timeout_s
+        watch = self.path.stall_watch
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -125,8 +125,8 @@ class InferenceService(pb_grpc.InferenceServicer):
                     # nothing for stall_s loses its stream (and its lease, slot and buffered output).
                     response = to_response(delta)
                     try:
-                        await asyncio.wait_for(context.write(response), stall_s)
-                    except TimeoutError:
+                        await watch.write(context.write(response))
+                    except StreamStalled:
                         stalled = True
                         break
                     except Exception:  # grpc refused the write: the call is over (the client cancelled
@@ -141,5 +141,5 @@ class InferenceService(pb_grpc.InferenceServicer):
         if stalled:
             await abort(
                 context,
-                GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"the client read nothing for {stall_s:g} s"),
+                GatewayError(ErrorKind.DEADLINE_EXCEEDED, f"the client read nothing for {watch.stall_s:g} s"),
             )

@@ -54,7 +54,7 @@ def build_app(path: RequestPath, serving: Callable[[], bool]) -> FastAPI:
         neutral, bad = endpoint.to_request(body)
         deltas = path.generate(principal, neutral, decode_violations=bad)
         if body.stream:
-            return await stream_answer(deltas, endpoint, body, path.settings.stream_stall_timeout_s)
+            return await stream_answer(deltas, endpoint, body, path.stall_watch)
         return await whole_answer(deltas, endpoint, body, request)
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=responses)

@@ -23,6 +23,7 @@ from gateway.errors import ErrorKind, GatewayError
 from gateway.http.endpoints import Choice, Endpoint, usage_json
 from gateway.http.errors import error_body
 from gateway.schema import Delta
+from gateway.stall_watch import StallWatch, StreamStalled
 
 log = logging.getLogger(__name__)
 
@@ -32,7 +33,7 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 async def stream_answer(
-    deltas: AsyncGenerator[Delta, None], endpoint: Endpoint, body: Any, stall_s: float
+    deltas: AsyncGenerator[Delta, None], endpoint: Endpoint, body: Any, watch: StallWatch
 ) -> Response:
     try:
         first = await anext(deltas)
@@ -70,7 +71,7 @@ async def stream_answer(
         yield b"data: [DONE]\n\n"
 
     return StallGuardedStream(
-        stall_s,
+        watch,
         events(),
         media_type="text/event-stream",
         headers={"X-Request-Id": first.request_id, "Cache-Control": "no-cache"},
@@ -99,26 +100,27 @@ async def whole_answer(
 
 
 class StallGuardedStream(StreamingResponse):
-    """Server-sent events whose every write must complete within ``stall_s``.
+    """Server-sent events whose every write must complete within the watch's stall limit.
 
     A write waits only once the socket's buffers are full, that is when the client has read nothing
     for a while; then the stream is ended (the path's generator closes, aborting the engine work and
     settling the lease) instead of holding its slot and buffers for as long as the client lingers.
     """
 
-    def __init__(self, stall_s: float, content: AsyncIterator[bytes], **kwargs: Any) -> None:
+    def __init__(self, watch: StallWatch, content: AsyncIterator[bytes], **kwargs: Any) -> None:
         super().__init__(content, **kwargs)
-        self.stall_s = stall_s
+        self.watch = watch
 
     async def stream_response(self, send: Send) -> None:
+        watch = self.watch
+
         async def guarded(message: Message) -> None:
-            async with asyncio.timeout(self.stall_s):  # no task per write, unlike wait_for
-                await send(message)
+            await watch.write(send(message))
 
         try:
             await super().stream_response(guarded)
-        except TimeoutError:
-            log.warning("a client read nothing for %.0f s; its stream was ended", self.stall_s)
+        except StreamStalled as stalled:
+            log.warning("%s; its stream was ended", stalled)
             aclose = getattr(self.body_iterator, "aclose", None)
             if aclose is not None:
                 await aclose()
