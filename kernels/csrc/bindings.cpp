@@ -22,18 +22,22 @@ void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache,
                   torch::Tensor slots);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_attention", &paged_attention, "paged attention over every query row (CPU)");
-  m.def("write_kv", &write_kv_cpu, "store a step's keys and values in the paged caches (CPU)");
-  m.def("lora_shrink", &lora_shrink_cpu, "multi-LoRA shrink (CPU, fp32)");
-  m.def("lora_expand", &lora_expand_cpu, "multi-LoRA expand, added in place (CPU, fp32)");
-  m.def("rms_norm", &rms_norm_cpu, "residual add + RMSNorm (CPU, fp32 or bf16)");
-  m.def("silu_and_mul", &silu_and_mul_cpu, "SiLU-and-mul (CPU, fp32 or bf16)");
+  // The kernels compute without the GIL, as torch's own operators do: in a served replica the event
+  // loop and Ray's threads share the process with the engine thread, and a kernel holding the GIL for
+  // its whole matmul left them waiting, then the engine waiting on them, with the cores idle.
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("paged_attention", &paged_attention, nogil, "paged attention over every query row (CPU)");
+  m.def("write_kv", &write_kv_cpu, nogil, "store a step's keys and values in the paged caches (CPU)");
+  m.def("lora_shrink", &lora_shrink_cpu, nogil, "multi-LoRA shrink (CPU, fp32)");
+  m.def("lora_expand", &lora_expand_cpu, nogil, "multi-LoRA expand, added in place (CPU, fp32)");
+  m.def("rms_norm", &rms_norm_cpu, nogil, "residual add + RMSNorm (CPU, fp32 or bf16)");
+  m.def("silu_and_mul", &silu_and_mul_cpu, nogil, "SiLU-and-mul (CPU, fp32 or bf16)");
   m.def("dense_available", &dense_available, "whether dense_pack / dense_cpu were built (AVX-512)");
-  m.def("dense_pack", &dense_pack, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
-  m.def("dense_cpu", &dense_cpu, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
-  m.def("argmax_rows", &argmax_rows_cpu, "each row's first maximum and whether it is all finite (CPU, fp32)");
+  m.def("dense_pack", &dense_pack, nogil, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
+  m.def("dense_cpu", &dense_cpu, nogil, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
+  m.def("argmax_rows", &argmax_rows_cpu, nogil, "each row's first maximum and whether it is all finite (CPU, fp32)");
   m.def("dense_gate_width", &dense_gate_width, "gate (and up) columns per paired panel; 0 without the kernel");
-  m.def("dense_pack_gated", &dense_pack_gated, "pack a gated MLP's [gate; up] fp32 weight into paired panels");
-  m.def("dense_gated_cpu", &dense_gated_cpu, "silu(x @ gate.T) * (x @ up.T), or with split [gate | up] (CPU)");
-  m.def("rotary", &rotary_cpu, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
+  m.def("dense_pack_gated", &dense_pack_gated, nogil, "pack a gated MLP's [gate; up] fp32 weight into paired panels");
+  m.def("dense_gated_cpu", &dense_gated_cpu, nogil, "silu(x @ gate.T) * (x @ up.T), or with split [gate | up] (CPU)");
+  m.def("rotary", &rotary_cpu, nogil, "rotary embedding in place, rotate-halves layout (CPU, fp32 or bf16 q/k)");
 }
