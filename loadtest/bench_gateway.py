@@ -79,7 +79,7 @@ async def _run(n: int, redis_url: str, log: Any) -> dict[str, Any]:
     start_serve()
     app = engine_deployment(engine_config, name=f"engine-{SHARED_POOL}", pool=SHARED_POOL)
     handle = serve.run(app, name="bench-engine", route_prefix=None)
-    local = AsyncEngine(LLMEngine(engine_config)).start()
+    local = AsyncEngine.launch(lambda: LLMEngine(engine_config))
 
     prefix = f"loombench-{uuid.uuid4().hex[:8]}"
     tenancy_settings = TenancySettings(

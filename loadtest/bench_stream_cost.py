@@ -4,10 +4,11 @@ Issue 22's first measurement. A ``loom serve`` (one replica of the embedded mode
 ``max_num_seqs`` 64, its own Redis) gets ``--requests`` seeded greedy chat streams at once through
 the official ``openai`` SDK on the HTTP front, after a short warm-up. Around that window the CPU time
 (user + system, from ``/proc``) of every process is read and grouped: the gateway (``loom serve``
-itself), each engine replica split by thread into the engine loop (the thread named
-``loom-engine``) and the rest (its event loop, Ray's core threads, and torch's OpenMP workers, which
-were started during the model's load under the process's name: the rest is an upper bound), the
-Serve controller, the rest of Ray, and the client (this process).
+itself, or its Serve replicas with ``--gateways``), each engine replica split by thread into the
+engine loop with torch's OpenMP workers (the threads named ``loom-engine``) and the rest (its event
+loop, Ray's core threads), the Serve controller, the rest of Ray, and the client (this process).
+A quiet window before the load gives each group's idle CPU per second, so the cost that grows with
+tokens can be told from Serve's and Ray's periodic work.
 Each group's CPU seconds divided by the output tokens streamed is the figure the issue's targets
 are stated in (gateway <= 0.15 ms, replica outside the engine step <= 0.1 ms per token).
 """
@@ -33,6 +34,7 @@ from loadtest.soak_server import SECRET, ServedLoom, cmdline, descendants
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 ENGINE_THREAD = "loom-engine"  # the OS name AsyncEngine gives its loop thread
+IDLE_WINDOW_S = 5.0
 _TICK = os.sysconf("SC_CLK_TCK")
 TOPICS = ["weaving", "rivers", "bread", "winter", "bees", "lighthouses", "tea", "maps", "clocks", "owls"]
 
@@ -69,12 +71,16 @@ def threads_of(pid: int) -> list[ThreadCpu]:
     return out
 
 
-def role(pid: int, gateway_pid: int, client_pid: int) -> str:
-    if pid == gateway_pid:
-        return "gateway"
+def role(pid: int, serve_pid: int, client_pid: int) -> str:
+    """The group of a process: ``serve_pid`` is ``loom serve``, the gateway unless gateways run as
+    Serve replicas (then it only waits, and counts as ``driver``)."""
     if pid == client_pid:
         return "client"
     cmd = cmdline(pid)
+    if pid == serve_pid:
+        return "driver" if "--gateway-in-serve" in cmd else "gateway"
+    if "ServeReplica" in cmd and ":gateway" in cmd:
+        return "gateway"
     if "ServeReplica" in cmd and "engine-" in cmd:
         return "replica"
     if "ServeController" in cmd:
@@ -87,11 +93,11 @@ def role(pid: int, gateway_pid: int, client_pid: int) -> str:
 Snapshot = dict[tuple[int, int], tuple[str, str, float]]  # (pid, tid) -> (role, thread name, CPU s)
 
 
-def snapshot(gateway_pid: int, client_pid: int) -> Snapshot:
+def snapshot(serve_pid: int, client_pid: int) -> Snapshot:
     """Every thread of the whole served tree and of this client, with its CPU seconds so far."""
     snap = {}
-    for pid in [gateway_pid, client_pid, *descendants(gateway_pid)]:
-        r = role(pid, gateway_pid, client_pid)
+    for pid in [serve_pid, client_pid, *descendants(serve_pid)]:
+        r = role(pid, serve_pid, client_pid)
         for t in threads_of(pid):
             snap[(pid, t.tid)] = (r, t.name, t.cpu_s)
     return snap
@@ -189,22 +195,27 @@ def create_tenant(redis_url: str) -> str:
     return store.create_key("bench", actor="loom-bench").plaintext.get_secret_value()
 
 
-def served_pids(gateway_pid: int) -> dict[str, int]:
-    """The processes profiled: the gateway and each engine replica (``replica``, ``replica-2``...)."""
-    pids = {"gateway": gateway_pid}
-    replicas = [pid for pid in descendants(gateway_pid) if role(pid, gateway_pid, -1) == "replica"]
-    for i, pid in enumerate(sorted(replicas)):
-        pids["replica" if i == 0 else f"replica-{i + 1}"] = pid
+def served_pids(serve_pid: int) -> dict[str, int]:
+    """The processes profiled: each gateway (``gateway``, ``gateway-2``...) and each engine replica
+    (``replica``, ``replica-2``...)."""
+    pids = {}
+    tree = [serve_pid, *descendants(serve_pid)]
+    for r in ("gateway", "replica"):
+        for i, pid in enumerate(sorted(p for p in tree if role(p, serve_pid, -1) == r)):
+            pids[r if i == 0 else f"{r}-{i + 1}"] = pid
     return pids
 
 
-async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> dict[str, Any]:
+async def _run(
+    n: int, seed: int, log: Any, profile_dir: Path | None = None, gateways: int = 0
+) -> dict[str, Any]:
     from openai import AsyncOpenAI
 
     served = ServedLoom.create(
         replicas=1,
         engine_env={"LOOM_ENGINE_MAX_NUM_SEQS": "64", "LOOM_ENGINE_DTYPE": "float32"},
         embedded=True,
+        gateways=gateways,
     )
     try:
         t0 = time.monotonic()
@@ -216,6 +227,11 @@ async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> 
         )
         model = (await client.models.list()).data[0].id
         await asyncio.gather(*(stream(client, model, p, m) for p, m in workload(4, seed + 1)))  # warm-up
+        # What each process spends with nothing to serve (Serve's and Ray's periodic work, pollers):
+        # a cost per second, not per token, which a faster engine spreads over more tokens.
+        idle0 = snapshot(served.pid, os.getpid())
+        await asyncio.sleep(IDLE_WINDOW_S)
+        idle = cpu_by_group(idle0, snapshot(served.pid, os.getpid()))
         items = workload(n, seed)
         profiles: dict[str, Path] = {}
         with contextlib.ExitStack() as stack:
@@ -234,7 +250,11 @@ async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> 
     tokens = sum(r.completion_tokens for r in results)
     ttfts = [r.ttft_s for r in results if r.ttft_s is not None]
     groups = cpu_by_group(before, after)
+    gateway_cpu = groups.get("gateway", 0.0)
     return {
+        "gateways": gateway_processes(gateways),
+        "gateway_cores_busy": round(gateway_cpu / wall, 3),
+        "tokens_per_gateway_cpu_s": round(tokens / gateway_cpu) if gateway_cpu else None,
         "workload": {
             "requests": n,
             "seed": seed,
@@ -248,11 +268,22 @@ async def _run(n: int, seed: int, log: Any, profile_dir: Path | None = None) -> 
         "output_tokens_per_s": round(tokens / wall, 2),
         "ttft_p50_s": round(statistics.median(ttfts), 3) if ttfts else None,
         "cpu": per_token(groups, tokens),
+        "openmp_workers_with_the_loop": True,  # AsyncEngine.launch names them loom-engine
+        "idle_window_s": IDLE_WINDOW_S,
+        "idle_ms_per_s": {g: round(1e3 * c / IDLE_WINDOW_S, 2) for g, c in sorted(idle.items())},
+        "net_of_idle_ms_per_token": {
+            g: round(1e3 * (c - wall * idle.get(g, 0.0) / IDLE_WINDOW_S) / tokens, 4) if tokens else 0.0
+            for g, c in sorted(groups.items())
+        },
         "replica_threads": busiest_threads(before, after, "replica"),
         "gateway_threads": busiest_threads(before, after, "gateway"),
         "targets_ms_per_token": {"gateway": 0.15, "replica_rest": 0.1},
         "profiles": {name: _profile_row(path) for name, path in sorted(profiles.items())},
     }
+
+
+def gateway_processes(gateways: int) -> str:
+    return "1, in the loom serve process" if gateways == 0 else f"{gateways}, as Serve replicas"
 
 
 def _profile_row(path: Path) -> dict[str, Any]:
@@ -286,6 +317,47 @@ def run_benchmark(
     return report
 
 
+def run_gateway_sweep(
+    counts: list[int], n: int = 96, seed: int = 0, out_dir: Path | None = RESULTS_DIR, log: Any = print
+) -> dict[str, Any]:
+    """The same load over each gateway layout (0: in the loom serve process; N: N Serve replicas
+    sharing the ports): tokens/s, and tokens per CPU-second of the gateway processes together."""
+    rows = []
+    for count in counts:
+        log(f"gateways: {gateway_processes(count)}")
+        report = asyncio.run(_run(n, seed, log, None, gateways=count))
+        rows.append(
+            {
+                "gateways": report["gateways"],
+                "output_tokens": report["output_tokens"],
+                "output_tokens_per_s": report["output_tokens_per_s"],
+                "ttft_p50_s": report["ttft_p50_s"],
+                "gateway_ms_per_token": report["cpu"]["gateway"]["ms_per_output_token"],
+                "gateway_cores_busy": report["gateway_cores_busy"],
+                "tokens_per_gateway_cpu_s": report["tokens_per_gateway_cpu_s"],
+                "replica_engine_ms_per_token": report["cpu"]["replica_engine_thread"]["ms_per_output_token"],
+            }
+        )
+        log(f"  {rows[-1]}")
+    sweep = {
+        "workload": report["workload"],
+        "counts": counts,
+        "rows": rows,
+        "date": time.strftime("%Y-%m-%d"),
+        "machine": cpu_line(),
+        "machine_cpu": cpu_info(),
+    }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "stream-cost-gateways.json").write_text(json.dumps(sweep, indent=2) + "\n")
+        (out_dir / "stream-cost-gateways.md").write_text(sweep_markdown(sweep))
+    return sweep
+
+
+def sweep_markdown(sweep: dict[str, Any]) -> str:
+    return render("stream-cost-gateways.md.j2", report=sweep)
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stream-cost", help="CPU per streamed output token of each served process (~3 min)")
     p.add_argument("--requests", type=int, default=96)
@@ -296,14 +368,25 @@ def register(sub: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also sample the gateway and the replica with py-spy (results/profiles/stream-cost/)",
     )
+    p.add_argument(
+        "--gateways",
+        default=None,
+        help="instead: sweep gateway layouts, e.g. 0,1,2 (0: in the loom serve process; N: N Serve "
+        "replicas sharing the ports) into results/stream-cost-gateways.md (about 2 min each)",
+    )
     p.set_defaults(func=_main)
 
 
 def _main(args: argparse.Namespace) -> int:
     import sys
 
-    report = run_benchmark(
-        args.requests, args.seed, args.out, log=lambda m: print(m, file=sys.stderr), profile=args.profile
-    )
+    def log(message: str) -> None:
+        print(message, file=sys.stderr)
+
+    if args.gateways:
+        counts = [int(c) for c in args.gateways.split(",")]
+        print(sweep_markdown(run_gateway_sweep(counts, args.requests, args.seed, args.out, log)))
+        return 0
+    report = run_benchmark(args.requests, args.seed, args.out, log=log, profile=args.profile)
     print(to_markdown(report))
     return 0

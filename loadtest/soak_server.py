@@ -185,19 +185,24 @@ class ServedLoom:
     replicas: int = 2
     engine_env: dict[str, str] = field(default_factory=dict)
     redis: RedisServer | None = None
+    # 0: the gateway in the ``loom serve`` process; N: N gateway processes as Serve replicas, sharing
+    # the ports (with N > 1 there is no metrics port).
+    gateways: int = 0
     proc: asyncio.subprocess.Process | None = None
     grpc_address: str = ""
     http_address: str = ""
     metrics_url: str = ""
 
     @classmethod
-    def create(cls, replicas: int, engine_env: dict[str, str], embedded: bool = False) -> ServedLoom:
+    def create(
+        cls, replicas: int, engine_env: dict[str, str], embedded: bool = False, gateways: int = 0
+    ) -> ServedLoom:
         """A tiny random model (the soak's: cheap steps), or the embedded model (``embedded``)."""
         from loadtest.tiny_model import random_checkpoint, save_hf_dir
 
         workdir = Path(tempfile.mkdtemp(prefix="loom-soak-"))
         model_dir = None if embedded else save_hf_dir(random_checkpoint(), workdir / "tiny")
-        return cls(workdir, model_dir, replicas, engine_env, RedisServer(workdir / "redis"))
+        return cls(workdir, model_dir, replicas, engine_env, RedisServer(workdir / "redis"), gateways)
 
     @property
     def redis_url(self) -> str:
@@ -220,6 +225,7 @@ class ServedLoom:
             *(["--model", str(self.model_dir)] if self.model_dir is not None else []),
             "--replicas", str(self.replicas), "--redis-url", self.redis.url, "--port", str(port),
             "--http-port", str(http_port), "--metrics-port", str(metrics_port),
+            *(["--gateway-in-serve", "--gateways", str(self.gateways)] if self.gateways else []),
             cwd=self.workdir, env=env, stdout=asyncio.subprocess.PIPE,
             stderr=(self.workdir / "serve.log").open("wb"),
         )  # fmt: skip
@@ -233,7 +239,7 @@ class ServedLoom:
             banner += line.decode()
         self.grpc_address = f"127.0.0.1:{port}"
         self.http_address = f"127.0.0.1:{http_port}"
-        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics"
+        self.metrics_url = f"http://127.0.0.1:{metrics_port}/metrics" if self.gateways <= 1 else ""
 
     @property
     def pid(self) -> int:

@@ -59,9 +59,8 @@ class EngineReplica:
             replica,
             "loading the model and the compiled CPU kernels (a first build takes minutes)",
         )
-        core = LLMEngine(engine_config)
-        start_phases.report(deployment, replica, "starting the engine loop")
-        self.engine: AsyncEngine = AsyncEngine(core).start()
+        # Built on its loop's thread (AsyncEngine.launch says why).
+        self.engine: AsyncEngine = AsyncEngine.launch(lambda: LLMEngine(engine_config))
         self.info = self.engine.engine.model_info(pool)
         start_phases.report(deployment, replica, "ready")
         self._outboxes = Outboxes(self.engine.abort)

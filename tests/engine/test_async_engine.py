@@ -159,3 +159,33 @@ async def test_shutdown_ends_every_request_of_a_sink(engine: AsyncEngine) -> Non
     # Each ended exactly one way: an error delta (it was running) or a failure (never started).
     await eventually(lambda: sink.finished | set(sink.failed) == {"d0", "d1", "d2"})
     assert not sink.finished & set(sink.failed)
+
+
+async def test_launch_builds_the_engine_on_the_thread_that_runs_its_loop(tiny: Checkpoint) -> None:
+    """One thread does all the engine's torch work (AsyncEngine.launch: a second OpenMP team slowed
+    every parallel region of the loop)."""
+    import threading
+
+    built_on: list[int] = []
+
+    def build() -> LLMEngine:
+        built_on.append(threading.get_ident())
+        return LLMEngine(EngineConfig(num_blocks=64, block_size=8, max_model_len=128), tiny)
+
+    eng = AsyncEngine.launch(build)
+    try:
+        assert eng.alive and eng._thread is not None
+        assert built_on == [eng._thread.ident] and built_on[0] != threading.get_ident()
+        ids, _text, reason = await _collect(eng, _req("launched", 6))
+        assert len(ids) == 6 and reason is FinishReason.LENGTH
+    finally:
+        eng.shutdown()
+    assert not eng.alive
+
+
+def test_launch_raises_what_the_build_raised() -> None:
+    def build() -> LLMEngine:
+        raise FileNotFoundError("no such model")
+
+    with pytest.raises(FileNotFoundError, match="no such model"):
+        AsyncEngine.launch(build)

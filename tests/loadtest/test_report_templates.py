@@ -36,6 +36,7 @@ REPORTS = [
     ("bench_stream_cost", "to_markdown", "stream-cost"),
     ("bench_stream_cost", "to_markdown", "stream-cost-per-item"),
     ("bench_served_peer", "to_markdown", "served-vs-vllm"),
+    ("bench_stream_cost", "sweep_markdown", "stream-cost-gateways"),
     *(
         ("report", "to_markdown", f"served/{p.parent.name}/report")
         for p in sorted(RESULTS.glob("served/*/report.json"))
@@ -65,7 +66,7 @@ def test_served_summary_renders_to_the_committed_markdown() -> None:
 
 def test_every_template_belongs_to_a_report() -> None:
     used = {"engine", "gateway", "lora", "isolation", "admission", "calibration", "soak", "fuzz"}
-    used |= {"simulator", "served", "report", "stream-cost", "served-vs-vllm"}
+    used |= {"simulator", "served", "report", "stream-cost", "served-vs-vllm", "stream-cost-gateways"}
     assert {p.name.removesuffix(".md.j2") for p in markdown.TEMPLATES_DIR.glob("*.md.j2")} == used
 
 
