@@ -36,25 +36,24 @@ class StallWatch:
         self._wrote_since_tick = False
         self._watcher: asyncio.Task[None] | None = None
 
-    async def write(self, write: Awaitable[T]) -> T:
-        """Await ``write``; raise StreamStalled if it is still pending after the stall limit."""
-        task = asyncio.current_task()
-        assert task is not None
-        loop = asyncio.get_running_loop()
-        self._pending[task] = loop.time()
+    async def write(self, writer: asyncio.Task[Any], write: Awaitable[T]) -> T:
+        """Await ``write`` in ``writer`` (the current task, which a stream looks up once); raise
+        StreamStalled if it is still pending after the stall limit."""
+        loop = writer.get_loop()
+        self._pending[writer] = loop.time()
         self._wrote_since_tick = True
         if self._watcher is None or self._watcher.done():
             self._watcher = loop.create_task(self._watch(), name="loom-stall-watch")
         try:
             return await write
         except asyncio.CancelledError:
-            if task not in self._stalled:  # the client left, or the server is stopping: not ours
+            if writer not in self._stalled:  # the client left, or the server is stopping: not ours
                 raise
-            self._stalled.discard(task)
-            task.uncancel()
+            self._stalled.discard(writer)
+            writer.uncancel()
             raise StreamStalled(self.stall_s) from None
         finally:
-            self._pending.pop(task, None)
+            self._pending.pop(writer, None)
 
     async def _watch(self) -> None:
         """Runs while writes keep coming (or one is pending); ends after a quiet tick."""

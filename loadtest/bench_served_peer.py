@@ -33,7 +33,7 @@ from typing import Any
 
 from loadtest.bench_stream_cost import StreamResult, create_tenant, stream, workload
 from loadtest.machine import cpu_info, cpu_line
-from loadtest.markdown import render
+from loadtest.markdown import render, write_report
 from loadtest.soak_server import ServedLoom, free_port
 
 ENGINE_ENV = {"LOOM_ENGINE_MAX_NUM_SEQS": "64", "LOOM_ENGINE_DTYPE": "float32"}
@@ -254,9 +254,7 @@ def run_benchmark(n: int, seed: int, out_dir: Path | None, log: Any) -> dict[str
         "machine_cpu": cpu_info(),
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "served-vs-vllm.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "served-vs-vllm.md").write_text(to_markdown(report))
+        write_report(out_dir, "served-vs-vllm", report, to_markdown(report))
     return report
 
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import os
 import random
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.machine import cpu_info, cpu_line
-from loadtest.markdown import render
+from loadtest.markdown import render, write_report
 from loadtest.profiles import recording, summarise
 from loadtest.soak_server import SECRET, ServedLoom, cmdline, descendants
 
@@ -311,9 +310,7 @@ def run_benchmark(
     report = asyncio.run(_run(n, seed, log, profile_dir))
     report.update(date=time.strftime("%Y-%m-%d"), machine=cpu_line(), machine_cpu=cpu_info())
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "stream-cost.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "stream-cost.md").write_text(to_markdown(report))
+        write_report(out_dir, "stream-cost", report, to_markdown(report))
     return report
 
 
@@ -348,9 +345,7 @@ def run_gateway_sweep(
         "machine_cpu": cpu_info(),
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "stream-cost-gateways.json").write_text(json.dumps(sweep, indent=2) + "\n")
-        (out_dir / "stream-cost-gateways.md").write_text(sweep_markdown(sweep))
+        write_report(out_dir, "stream-cost-gateways", sweep, sweep_markdown(sweep))
     return sweep
 
 

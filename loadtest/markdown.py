@@ -9,6 +9,7 @@ string (``StrictUndefined``).
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -42,3 +43,10 @@ _ENV.globals["cell"] = _cell
 def render(name: str, **context: Any) -> str:
     """The template ``loadtest/templates/NAME`` rendered with ``context``."""
     return _ENV.get_template(name).render(**context)
+
+
+def write_report(out_dir: Path, stem: str, report: dict[str, Any], markdown: str) -> None:
+    """``out_dir/<stem>.json`` and ``out_dir/<stem>.md``, the pair every benchmark commits."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{stem}.md").write_text(markdown)

@@ -7,6 +7,7 @@ refusals into gRPC statuses (gateway/grpc/status.py). Every rule lives in the pa
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -117,7 +118,8 @@ class InferenceService(pb_grpc.InferenceServicer):
             decode_violations=decode_violations,
             ended_early=lambda: ErrorKind.DEADLINE_EXCEEDED if stalled else _ended_early(context),
         )
-        watch = self.path.stall_watch
+        watch, writer = self.path.stall_watch, asyncio.current_task()
+        assert writer is not None
         try:
             async with contextlib.aclosing(deltas):
                 async for delta in deltas:
@@ -125,7 +127,7 @@ class InferenceService(pb_grpc.InferenceServicer):
                     # nothing for stall_s loses its stream (and its lease, slot and buffered output).
                     response = to_response(delta)
                     try:
-                        await watch.write(context.write(response))
+                        await watch.write(writer, context.write(response))
                     except StreamStalled:
                         stalled = True
                         break

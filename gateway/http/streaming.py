@@ -112,10 +112,11 @@ class StallGuardedStream(StreamingResponse):
         self.watch = watch
 
     async def stream_response(self, send: Send) -> None:
-        watch = self.watch
+        watch, writer = self.watch, asyncio.current_task()
+        assert writer is not None
 
         async def guarded(message: Message) -> None:
-            await watch.write(send(message))
+            await watch.write(writer, send(message))
 
         try:
             await super().stream_response(guarded)

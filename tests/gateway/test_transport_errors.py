@@ -131,3 +131,44 @@ async def test_a_client_that_stops_reading_loses_its_stream_and_frees_its_slot(
         finally:
             sock.close()
             await asyncio.sleep(0)
+
+
+async def test_a_grpc_client_that_stops_reading_loses_its_stream_and_frees_its_slot(
+    gateway: Gateway, tenancy_settings: Any, tiny_dir: Any
+) -> None:
+    """The gRPC front's writes are under the same stall watch as the HTTP front's."""
+    from gateway.grpc.client import LoomClient
+    from tests.gateway.conftest import engine_idle, eventually, private_gateway
+
+    _, key = await gateway.tenant(quotas={"max_concurrent": 1})
+    handle = gateway.handles["tiny"]
+    async with private_gateway(handle, tenancy_settings, tiny_dir, stream_stall_timeout_s=1.0) as server:
+        # A receive window of 1 KB that never grows: the server's writes wait once it is full.
+        stalled_client = LoomClient(
+            server.address, key, options=[("grpc.http2.lookahead_bytes", 1024), ("grpc.http2.bdp_probe", 0)]
+        )
+        async with stalled_client:
+            call = stalled_client.generate_call(
+                req(prompt="go on", max_tokens=1000, temperature=0, logprobs=20)
+            )  # sent, never read
+
+            async def generating() -> bool:
+                return not await engine_idle(handle)
+
+            await eventually(generating, timeout_s=30)  # it holds the tenant's only slot
+
+            async def slot_free() -> bool:
+                async with LoomClient(server.address, key) as client:
+                    try:
+                        await collect(client.generate_call(req(max_tokens=1)))
+                    except grpc.aio.AioRpcError as err:
+                        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err
+                        return False
+                return True
+
+            await eventually(slot_free, timeout_s=30, interval_s=0.5)
+            await eventually(lambda: engine_idle(handle), timeout_s=30)
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(call)
+            assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            assert "read nothing for 1 s" in (info.value.details() or "")
