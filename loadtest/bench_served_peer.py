@@ -97,7 +97,7 @@ async def run_loom(items: list[tuple[str, int]], log: Any) -> Run:
 def _export(workdir: Path) -> tuple[Path, str]:
     """The embedded checkpoint as a float32 Hugging Face directory; (its path, the served name)."""
     from loadtest.peer_vllm import export_hf
-    from worker.checkpoint import load_checkpoint
+    from worker.api import load_checkpoint
 
     ckpt = load_checkpoint()
     return export_hf(ckpt, workdir / "hf", "float32"), ckpt.name
@@ -149,7 +149,7 @@ def run_offline(items: list[tuple[str, int]]) -> dict[str, Any]:
     added at once, greedy, stopping at EOS; the same engine settings as the served replica."""
     from protocol.engine_config import EngineConfig
     from protocol.requests import GenerationRequest, SamplingParams
-    from worker.engine import LLMEngine
+    from worker.api import LLMEngine
 
     engine = LLMEngine(EngineConfig(max_num_seqs=MAX_NUM_SEQS, dtype="float32"))
     tok = engine.tokenizer
