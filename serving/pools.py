@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import ray.exceptions
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
+from ray.serve.handle import DeploymentHandle, DeploymentResponse
 
 from gateway.engine_pool import WorkerLostError
 from protocol.model_info import ModelInfo
@@ -90,7 +90,6 @@ class ServeEnginePool:
         self._stats = stats
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
-        self._stream = handle.options(stream=True)
         self._deltas = DeltaStreams(handle, self.deployment, stats)
 
     async def describe(self) -> ModelInfo:
@@ -102,10 +101,9 @@ class ServeEnginePool:
         current = request
         while True:
             queue = self._deltas.open(current.request_id)
-            # A streaming call that yields nothing (Serve counts it ongoing while the request runs).
+            # A call that returns once the request has ended (Serve counts it ongoing meanwhile).
             response = cast(
-                DeploymentResponseGenerator[None],
-                self._stream.generate.remote(current, self._deltas.subscriber),
+                DeploymentResponse[None], self._handle.generate.remote(current, self._deltas.subscriber)
             )
             watcher = asyncio.ensure_future(_watch(response, queue))
             delivered = False
@@ -164,11 +162,10 @@ class ServeEnginePool:
         await self._deltas.close()
 
 
-async def _watch(response: DeploymentResponseGenerator[None], queue: asyncio.Queue[Item]) -> None:
+async def _watch(response: DeploymentResponse[None], queue: asyncio.Queue[Item]) -> None:
     """How the request's call ended, into its queue: an error (refused, replica lost) or done."""
     try:
-        async for _ in response:
-            pass
+        await response
     except asyncio.CancelledError:
         raise
     except BaseException as exc:  # handed to the request's reader, which decides

@@ -67,12 +67,13 @@ class EngineReplica:
         self._sweeper: asyncio.Task[None] | None = None
         log.info("engine replica ready: %s", self.info)
 
-    async def generate(self, request: GenerationRequest, subscriber: str) -> AsyncIterator[None]:
+    async def generate(self, request: GenerationRequest, subscriber: str) -> None:
         """Run ``request`` until it ends; its deltas go to ``subscriber``'s stream (``deltas``).
 
-        A streaming call that yields nothing, open while the request runs; a caller that gives up
-        calls ``abort`` (pinned to this replica). Raises InvalidRequestError at once if the engine
-        cannot serve it, EngineDeadError if the engine died under it.
+        A call that returns nothing once the request has ended (Serve counts it ongoing meanwhile;
+        a unary call costs Ray less than a stream of no items); a caller that gives up calls
+        ``abort`` (pinned to this replica). Raises InvalidRequestError at once if the engine cannot
+        serve it, EngineDeadError if the engine died under it.
         """
         box = self._outboxes.of(subscriber)
         done = box.track(request.request_id)
@@ -89,9 +90,6 @@ class EngineReplica:
             if not done.done():  # cancelled: the caller went away
                 box.untrack(request.request_id)
                 self.engine.abort(request.request_id)
-        nothing: tuple[None, ...] = ()
-        for item in nothing:  # an async generator (Serve streams it) that yields nothing
-            yield item
 
     async def deltas(self, pinned: Pinned) -> AsyncIterator[list[RequestOutput]]:
         """The subscriber's stream on this replica: an empty batch once open, then every delta owed

@@ -17,11 +17,15 @@ from serving.router import Pinned
 
 
 class _Call:
-    """A streaming call's response: iterating runs ``work``; ``cancel`` cancels it."""
+    """A call's response: awaiting it (a unary call) or iterating it (a stream) runs ``work``;
+    ``cancel`` cancels it."""
 
     def __init__(self, work: Any) -> None:
         self._task = asyncio.ensure_future(work)
         self.cancelled = False
+
+    def __await__(self) -> Any:
+        return self._task.__await__()
 
     def __aiter__(self) -> AsyncIterator[Any]:
         return self._gen()
