@@ -40,8 +40,6 @@ from worker.step_trace import StepObserver, StepRow, StepTrace
 
 log = logging.getLogger(__name__)
 
-_NON_FINITE = "the model produced non-finite logits for this request; it was stopped (others were not)"
-
 
 class LLMEngine:
     def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
@@ -158,8 +156,12 @@ class LLMEngine:
             error = f"{type(exc).__name__}: {exc}"
             return rejected + [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
         self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
-        # A row with non-finite logits fails its own request; the rest of the batch goes on.
-        failed = [self._end(seq, FinishReason.ERROR, _NON_FINITE) for seq in result.failed if seq.is_live]
+        # A row that got no token (non-finite logits, a sampling error) fails its own request only.
+        failed = [
+            self._end(seq, FinishReason.ERROR, f"{reason}; it was stopped (others were not)")
+            for seq, reason in result.failed
+            if seq.is_live
+        ]
         updates = self.scheduler.update_from_output(batch, result.sampled)
         emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
         self.counters.generated_tokens += len(updates)

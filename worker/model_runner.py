@@ -13,7 +13,7 @@ from protocol.requests import TokenLogprob
 from worker.kv_cache import KVCache
 from worker.lora_slots import LoraSlots
 from worker.model import ForwardBatch, LlamaModel, LoraStep
-from worker.sampler import RequestRng, sample, token_logprobs
+from worker.sampler import RequestRng, RowFailed, sample, token_logprobs
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
 
@@ -57,7 +57,7 @@ class StepOutput:
     """What a forward step produced: tokens, and the sequences whose logits were not finite."""
 
     sampled: dict[Sequence, int] = field(default_factory=dict)
-    failed: list[Sequence] = field(default_factory=list)
+    failed: list[tuple[Sequence, str]] = field(default_factory=list)  # rows without a token, and why
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for requests that asked
     forward_s: float = 0.0  # the model's forward pass alone
 
@@ -90,8 +90,8 @@ class ModelRunner:
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
         rows: list[int] = []
         for row, (seq, token) in enumerate(zip(sampled_seqs, sample(logits, params, rngs), strict=True)):
-            if token is None:
-                out.failed.append(seq)
+            if isinstance(token, RowFailed):
+                out.failed.append((seq, token.reason))
                 continue
             out.sampled[seq] = token
             if seq.sampling.logprobs is not None:

@@ -3,19 +3,36 @@
 Each sampled request draws from its own generator, seeded from the request's seed when it has one,
 so the same seed gives the same text whatever else shares the batch.
 
-A row whose logits are not all finite (a numerical fault) gets no token: its request fails alone
-and every other row of the batch is sampled as usual. Temperatures below
-``LIMITS.greedy_below_temperature`` are greedy, so a division can never overflow finite logits.
+A row whose logits are not all finite (a numerical fault), or whose sampling raises for any reason,
+gets no token but a ``RowFailed``: its request fails alone and every other row of the batch is
+sampled as usual (nothing one request sends may fail the step of the others). Temperatures below
+``LIMITS.greedy_below_temperature`` are greedy, so a division can never overflow finite logits, and
+top-p always keeps the most probable token, so no value of it leaves a row nothing to draw from (a
+JSON ``top_p`` of 1e-46 is 0.0 in float32).
 """
 
 from __future__ import annotations
 
+import logging
 import secrets
+from dataclasses import dataclass
 
 import torch
 
 from kernels.argmax import argmax_rows
 from protocol.requests import SamplingParams, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowFailed:
+    """A row that got no token, and why (said to its request's caller)."""
+
+    reason: str
+
+
+NON_FINITE = RowFailed("the model produced non-finite logits for this request")
 
 
 class RequestRng:
@@ -35,7 +52,9 @@ def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -
     if params.top_p < 1.0:
         sorted_probs, order = torch.sort(probs, descending=True)
         before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly ahead of each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)
+        drop = before >= params.top_p
+        drop[0] = False  # the most probable token stays, however small top_p is
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs, 1, generator=rng.generator).item())
 
@@ -44,21 +63,27 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     rngs: list[RequestRng | None],
-) -> list[int | None]:
-    """One token per row of ``logits [n, vocab]``; None for a row whose logits are not finite."""
+) -> list[int | RowFailed]:
+    """One token per row of ``logits [n, vocab]``, or why that row got none."""
     # One pass gives every row's greedy pick and finiteness (kernels/argmax.py); a sampled row
     # ignores its pick.
     picks, finite = argmax_rows(logits)
-    out: list[int | None] = []
+    out: list[int | RowFailed] = []
     for i, (p, pick, ok) in enumerate(zip(params, picks.tolist(), finite.tolist(), strict=True)):
         if not ok:
-            out.append(None)
+            out.append(NON_FINITE)
         elif p.greedy:
             out.append(pick)
         else:
             rng = rngs[i]
             assert rng is not None, "a sampled request needs its RequestRng"
-            out.append(_sample_one(logits[i], p, rng))
+            try:
+                out.append(_sample_one(logits[i], p, rng))
+            except Exception as exc:  # this row's values, never the batch's problem
+                log.warning(
+                    "sampling failed for one row (%s: %s); its request is stopped", type(exc).__name__, exc
+                )
+                out.append(RowFailed(f"sampling failed for this request ({type(exc).__name__})"))
     return out
 
 

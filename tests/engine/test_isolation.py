@@ -16,7 +16,7 @@ from protocol.requests import FinishReason, GenerationRequest, RequestOutput, Sa
 from tests.helpers import eventually
 from worker.checkpoint import Checkpoint
 from worker.engine import LLMEngine
-from worker.sampler import RequestRng
+from worker.sampler import NON_FINITE, RequestRng, RowFailed
 from worker.sampler import sample as real_sample
 
 POISON_SEED = 424242  # marks the request whose logits the fault hits
@@ -127,9 +127,74 @@ def test_greedy_rows_take_the_first_maximum_and_skip_non_finite_rows() -> None:
     params = [SamplingParams(), SamplingParams(temperature=0.8, seed=1), SamplingParams(), SamplingParams()]
     rngs: list[Any] = [None, RequestRng(1), None, None]
     got = real_sample(logits, params, rngs)
-    assert got[0] == 7 and got[2] == 3 and got[3] is None and isinstance(got[1], int)
+    assert got[0] == 7 and got[2] == 3 and got[3] == NON_FINITE and isinstance(got[1], int)
     all_greedy = real_sample(logits[[0, 2]], [SamplingParams(), SamplingParams()], [None, None])
     assert all_greedy == [7, 3]
+
+
+@pytest.mark.parametrize("top_p", [1e-46, 5e-324, 1e-8, 0.5])
+def test_any_top_p_keeps_the_most_probable_token(top_p: float) -> None:
+    """A JSON top_p of 1e-46 is 0.0 in float32: it masked every token and raised in the step of
+    every co-batched request. The most probable token always stays, so a tiny top_p is greedy."""
+    logits = torch.randn(3, 500)
+    params = [SamplingParams(), SamplingParams(temperature=0.9, top_p=top_p, seed=3), SamplingParams()]
+    got = real_sample(logits, params, [None, RequestRng(3), None])
+    assert got[0] == int(logits[0].argmax()) and got[2] == int(logits[2].argmax())
+    assert isinstance(got[1], int)
+    if top_p < 1e-6:
+        assert got[1] == int(logits[1].argmax())
+
+
+def test_a_row_whose_sampling_raises_fails_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whatever raises while sampling one row (a value no check foresaw) costs only that row."""
+    import worker.sampler
+
+    real_one = worker.sampler._sample_one
+
+    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+        if params.seed == POISON_SEED:
+            raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
+        return real_one(logits, params, rng)
+
+    monkeypatch.setattr(worker.sampler, "_sample_one", fragile)
+    logits = torch.randn(3, 200)
+    params = [
+        SamplingParams(temperature=0.8, seed=1),
+        SamplingParams(temperature=0.8, seed=POISON_SEED),
+        SamplingParams(),
+    ]
+    got = real_sample(logits, params, [RequestRng(1), RequestRng(POISON_SEED), None])
+    assert isinstance(got[0], int) and got[2] == int(logits[2].argmax())
+    assert got[1] == RowFailed("sampling failed for this request (RuntimeError)")
+
+
+def test_a_request_whose_sampling_raises_ends_alone_and_the_batch_goes_on(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import worker.sampler
+
+    real_one = worker.sampler._sample_one
+
+    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+        if params.seed == POISON_SEED:
+            raise ValueError("no token to draw")
+        return real_one(logits, params, rng)
+
+    others = [_req(f"o{i}", f"tenant {i} text", max_tokens=12, ignore_eos=True) for i in range(2)]
+    alone = engine.run_to_completion(others)
+    monkeypatch.setattr(worker.sampler, "_sample_one", fragile)
+    victim = _req("victim", "hostile", max_tokens=12, temperature=0.7, seed=POISON_SEED)
+    again = [_req(f"o{i}", f"tenant {i} text", max_tokens=12, ignore_eos=True) for i in range(2)]
+    together = engine.run_to_completion([again[0], victim, again[1]])
+    assert together["victim"].finish_reason is FinishReason.ERROR
+    assert (
+        together["victim"].error
+        == "sampling failed for this request (ValueError); it was stopped (others were not)"
+    )
+    for i in range(2):
+        assert together[f"o{i}"].token_ids == alone[f"o{i}"].token_ids
+        assert together[f"o{i}"].finish_reason is FinishReason.LENGTH
+    assert engine.stats().consecutive_failed_steps == 0
 
 
 def _broken_adapter(tmp_path: Any) -> LoraRequest:
@@ -206,15 +271,10 @@ async def _through_replica(replica: Any, request: GenerationRequest) -> list[Req
 
     stream = replica.deltas(Pinned(replica.replica_id, "test-gateway"))
     assert await anext(stream) == []  # the stream is open
-    call = asyncio.ensure_future(_exhaust(replica.generate(request, "test-gateway")))
+    call = asyncio.ensure_future(replica.generate(request, "test-gateway"))
     outs: list[RequestOutput] = []
     while not (outs and outs[-1].finished):
         outs += await asyncio.wait_for(anext(stream), 30)
     await call
     await stream.aclose()
     return outs
-
-
-async def _exhaust(stream: Any) -> None:
-    async for _ in stream:
-        pass
