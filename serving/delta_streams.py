@@ -20,6 +20,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,11 +30,16 @@ from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from protocol.requests import RequestOutput
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import Pinned
+from serving.router import Pinned, ReplicaGoneError
 
 log = logging.getLogger(__name__)
 
 ABORT_TIMEOUT_S = 10.0  # a backstop: a pin to a replica gone is refused at once (router.py)
+# How long a first stream to a replica may be refused as gone: this process's router learns of new
+# replicas by Serve's long poll, so a replica can take a request (another router placed it) before
+# the router that pins delta streams lists it. A replica really gone fails its requests' calls anyway.
+PIN_LAG_S = 5.0
+PIN_RETRY_S = 0.1
 MAX_ABANDONED = 10_000  # requests given up before the router said where they went, remembered
 
 
@@ -52,6 +58,7 @@ class _Follower:
 
     task: asyncio.Task[None] | None = None
     opened: bool = False  # the replica's handshake arrived: it is there and serving the stream
+    ever_opened: bool = False
     requests: set[str] = field(default_factory=set)  # this process's requests on that replica
 
 
@@ -148,9 +155,17 @@ class DeltaStreams:
     # ---- one replica's stream ----------------------------------------------------------------------
 
     async def _follow(self, replica_id: str, follower: _Follower) -> None:
+        refused_since: float | None = None
         try:
             while follower.requests:
-                await self._read(replica_id, follower)
+                try:
+                    await self._read(replica_id, follower)
+                except ReplicaGoneError:
+                    now = time.monotonic()
+                    refused_since = refused_since or now
+                    if follower.ever_opened or now - refused_since > PIN_LAG_S:
+                        raise
+                    await asyncio.sleep(PIN_RETRY_S)  # the router may not list that replica yet
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # the replica is lost (or the stream broke): its requests end with it
@@ -174,7 +189,7 @@ class DeltaStreams:
         ended = False
         try:
             async for batch in stream:
-                follower.opened = True
+                follower.opened = follower.ever_opened = True
                 queues = self._queues
                 for out in batch:
                     queue = queues.get(out.request_id)

@@ -13,7 +13,7 @@ from gateway.engine_pool import WorkerLostError
 from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from serving.pools import ServeEnginePool
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import Pinned
+from serving.router import Pinned, ReplicaGoneError
 
 
 class _Call:
@@ -53,6 +53,7 @@ class _Handle:
         self.requests: list[GenerationRequest] = []
         self.aborted: list[str] = []
         self.batches: asyncio.Queue[list[RequestOutput]] = asyncio.Queue()
+        self.refusals = 0  # delta streams refused as pinned to a gone replica before one opens
         self.generate, self.deltas, self.abort = (
             _Method(self._generate),
             _Method(self._deltas),
@@ -77,9 +78,15 @@ class _Handle:
             self.batches.put_nowait([item])
         return []
 
-    def _deltas(self, pinned: Pinned) -> _Call:
+    def _deltas(self, pinned: Pinned) -> Any:
         assert pinned.replica_id == self.replica
+        if self.refusals:
+            self.refusals -= 1
+            return _Call(self._refuse())
         return _Stream(self.batches)
+
+    async def _refuse(self) -> list[Any]:
+        raise ReplicaGoneError(f"replica {self.replica} is gone (this is another)")
 
     async def _abort_call(self, request_id: str) -> None:
         self.aborted.append(request_id)
@@ -188,3 +195,14 @@ async def test_a_call_that_ends_without_its_final_delta_is_a_lost_replica(
     pool, _ = _pool([[_out("t/r", [5])]])
     with pytest.raises(WorkerLostError):
         await _drain(pool)
+
+
+async def test_a_delta_stream_refused_while_the_router_does_not_list_its_replica_yet_is_tried_again() -> None:
+    """A replica can take a request before this process's router lists it (Serve's long poll): the
+    pinned stream reaches another replica and is refused. That is no lost replica: the stream is
+    opened again, the request is neither failed nor retried elsewhere."""
+    pool, handle = _pool([[_out("t/r", [7]), _out("t/r", [8], FinishReason.LENGTH)]])
+    handle.refusals = 3
+    outs = await _drain(pool)
+    assert [t for o in outs for t in o.token_ids] == [7, 8] and outs[-1].finish_reason is FinishReason.LENGTH
+    assert handle.refusals == 0 and [r.request_id for r in handle.requests] == ["t/r"]
