@@ -107,6 +107,9 @@ def pinned_choice(pinned: Pinned, by_id: dict[str, R]) -> list[list[R]]:
     """That replica; if the router no longer lists it, any (which refuses the call at once)."""
     if pinned.replica_id in by_id:
         return [[by_id[pinned.replica_id]]]
+    # Says which replicas this router lists when a pin misses (a gone replica, or a router whose
+    # view lags Serve's: the multi-node run has shown pins missing with both replicas running).
+    log.warning("pinned to replica %s, not listed by this router (%s)", pinned.replica_id, sorted(by_id))
     return [list(by_id.values())]
 
 
