@@ -54,6 +54,7 @@ class StallWatch:
             raise StreamStalled(self.stall_s) from None
         finally:
             self._pending.pop(writer, None)
+            self._stalled.discard(writer)  # even where the write swallowed the cancel: no task kept
 
     async def _watch(self) -> None:
         """Runs while writes keep coming (or one is pending); ends after a quiet tick."""
