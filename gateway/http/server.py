@@ -42,7 +42,10 @@ class HttpFront:
             ssl_cert_reqs=ssl.CERT_REQUIRED if s.tls_client_ca_file else ssl.CERT_NONE,
         )
         server = _QuietServer(config)
-        sockets = [_shared_socket(host, port)] if s.reuse_port else None
+        # Bound here, not by uvicorn: a port in use is an OSError raised to the caller, where uvicorn
+        # would call sys.exit, which ends the event loop it runs on (in a Serve replica, the loop
+        # of its constructor, which then never returns).
+        sockets = [_listening_socket(host, port, s.reuse_port)]
         self._task = asyncio.create_task(server.serve(sockets=sockets))
         while not server.started:
             if self._task.done():
@@ -73,13 +76,19 @@ class HttpFront:
         self._server = None
 
 
-def _shared_socket(host: str, port: int) -> socket.socket:
-    """A listening socket other gateway processes on this host may bind too (SO_REUSEPORT)."""
+def _listening_socket(host: str, port: int, reuse_port: bool) -> socket.socket:
+    """The front's listening socket; with ``reuse_port``, one other gateway processes on this host
+    may bind too (SO_REUSEPORT)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
+    if reuse_port:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
     sock.listen(2048)
     sock.setblocking(False)
     return sock

@@ -81,3 +81,22 @@ async def test_without_reuse_port_a_second_gateway_on_a_port_in_use_fails_to_sta
                 engine_handles["tiny"], tenancy_settings, tiny_dir, port=port, http_port=None
             ):
                 pass
+
+
+async def test_an_http_port_in_use_is_an_os_error_and_the_loop_goes_on(
+    engine_handles: dict[str, Any], tenancy_settings: TenancySettings, tiny_dir: Path
+) -> None:
+    """uvicorn binding for itself would sys.exit on a port in use: in a Serve replica that ended the
+    loop running the gateway's constructor, which then never returned (the replica hung starting)."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        http_port = taken.getsockname()[1]
+        with pytest.raises(OSError):
+            async with private_gateway(
+                engine_handles["tiny"], tenancy_settings, tiny_dir, http_port=http_port
+            ):
+                pass
+    await asyncio.sleep(0)  # the loop is still running
