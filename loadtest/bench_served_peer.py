@@ -147,6 +147,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path, timeo
 def run_offline(items: list[tuple[str, int]]) -> dict[str, Any]:
     """Loom's engine on the same requests in this process: chat-templated as the gateway does, all
     added at once, greedy, stopping at EOS; the same engine settings as the served replica."""
+    import torch
+
     from protocol.engine_config import EngineConfig
     from protocol.requests import GenerationRequest, SamplingParams
     from worker.api import LLMEngine
@@ -179,14 +181,8 @@ def run_offline(items: list[tuple[str, int]]) -> dict[str, Any]:
         "output_tokens_per_s": round(produced / wall, 2),
         "texts": [tok.decode(t) for t in tokens],
         "counts": [len(t) for t in tokens],
-        "torch_threads": _torch_threads(),
+        "torch_threads": torch.get_num_threads(),
     }
-
-
-def _torch_threads() -> int:
-    import torch
-
-    return torch.get_num_threads()
 
 
 def agreement(a: list[StreamResult], b: list[StreamResult]) -> dict[str, Any]:

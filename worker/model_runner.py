@@ -54,7 +54,8 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
 
 @dataclass
 class StepOutput:
-    """What a forward step produced: tokens, and the sequences whose logits were not finite."""
+    """What a forward step produced: tokens, and the sequences that got none (non-finite logits, a
+    sampling error) with the reason."""
 
     sampled: dict[Sequence, int] = field(default_factory=dict)
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # rows without a token, and why
