@@ -29,8 +29,8 @@ from typing import Any, cast
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from protocol.requests import RequestOutput
+from serving.pinning import Pinned, ReplicaGoneError
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import Pinned, ReplicaGoneError
 
 log = logging.getLogger(__name__)
 

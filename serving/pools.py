@@ -26,8 +26,8 @@ from protocol.model_info import ModelInfo
 from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving.delta_streams import CALL_ENDED, DeltaStreams, Item
+from serving.pinning import ReplicaGoneError
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import ReplicaGoneError
 from tenancy.models import SHARED_POOL
 
 if TYPE_CHECKING:  # a gateway process never loads the engine: only LocalEnginePool's callers do

@@ -26,8 +26,9 @@ from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving import start_phases
 from serving.outbox import Outboxes
+from serving.pinning import Pinned, ReplicaGoneError
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
-from serving.router import ROUTER_CLASS, Pinned, ReplicaGoneError
+from serving.router import ROUTER_CLASS
 
 if TYPE_CHECKING:
     from worker.api import AsyncEngine

@@ -26,6 +26,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from common import Priority
 from protocol.requests import GenerationRequest
 from protocol.stats import EngineStats
+from serving.pinning import Pinned  # by reference: see serving/pinning.py
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS, process_registry
 
 log = logging.getLogger(__name__)
@@ -88,27 +89,11 @@ def rank(
     return [c.replica_id for c in ordered]
 
 
-@dataclass(frozen=True)
-class Pinned:
-    """The argument of a call that must reach one replica: a subscriber's delta stream there, or an
-    abort. A pin to a replica the router no longer lists goes to any replica, which refuses it
-    (``ReplicaGoneError``): a routing task left waiting for a replica that is gone would hold one
-    of the router's few routing tasks forever, and every other request behind it."""
-
-    replica_id: str
-    subscriber: str
-
-
-class ReplicaGoneError(RuntimeError):
-    """A pinned call reached another replica: the one it was pinned to is gone."""
-
-
 def pinned_choice(pinned: Pinned, by_id: dict[str, R]) -> list[list[R]]:
     """That replica; if the router no longer lists it, any (which refuses the call at once)."""
     if pinned.replica_id in by_id:
         return [[by_id[pinned.replica_id]]]
-    # Says which replicas this router lists when a pin misses (a gone replica, or a router whose
-    # view lags Serve's: the multi-node run has shown pins missing with both replicas running).
+    # A pin misses when its replica is gone (or not yet listed by this router): say what it lists.
     log.warning("pinned to replica %s, not listed by this router (%s)", pinned.replica_id, sorted(by_id))
     return [list(by_id.values())]
 

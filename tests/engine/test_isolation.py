@@ -267,7 +267,7 @@ def test_a_step_whose_forward_fails_still_ends_the_requests_the_gate_rejected(
 
 async def _through_replica(replica: Any, request: GenerationRequest) -> list[RequestOutput]:
     """One request as a gateway sends it: the call, its deltas on the subscriber's stream."""
-    from serving.router import Pinned
+    from serving.pinning import Pinned
 
     stream = replica.deltas(Pinned(replica.replica_id, "test-gateway"))
     assert await anext(stream) == []  # the stream is open

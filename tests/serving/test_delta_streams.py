@@ -9,8 +9,8 @@ from typing import Any
 
 from protocol.requests import FinishReason, RequestOutput
 from serving.delta_streams import DeltaStreams
+from serving.pinning import Pinned
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import Pinned
 
 DEPLOYMENT = "app/engine"
 

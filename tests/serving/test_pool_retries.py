@@ -11,9 +11,9 @@ import pytest
 
 from gateway.engine_pool import WorkerLostError
 from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput, SamplingParams
+from serving.pinning import Pinned, ReplicaGoneError
 from serving.pools import ServeEnginePool
 from serving.replica_stats import ReplicaStatsRegistry
-from serving.router import Pinned, ReplicaGoneError
 
 
 class _Call:

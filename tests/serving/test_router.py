@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+from ray import cloudpickle
 
 from common import Priority
 from protocol.requests import GenerationRequest
 from protocol.stats import EngineStats
-from serving.router import Candidate, Pinned, affinity_key, load_score, pinned_choice, rank
+from serving.pinning import Pinned
+from serving.router import Candidate, LoomRequestRouter, affinity_key, load_score, pinned_choice, rank
 
 
 def _stats(kv: float = 0.0, running: int = 0, **waiting: int) -> EngineStats:
@@ -95,3 +102,21 @@ def test_a_pinned_call_goes_to_its_replica_or_if_gone_anywhere_that_refuses_it()
     assert pinned_choice(Pinned("r2", "gateway"), replicas) == [["replica two"]]
     # Waiting for a replica that is gone would hold one of the router's routing tasks forever.
     assert pinned_choice(Pinned("gone", "gateway"), replicas) == [["replica one", "replica two"]]
+
+
+def test_a_pin_is_recognised_by_the_router_serve_ships_by_value() -> None:
+    """Serve pickles the router's module by value for each caller; the copy must still know a pin
+    made with the classes the gateway imports (a copy of Pinned in that module never matched)."""
+    code = (
+        "import sys; from ray.serve.config import RequestRouterConfig as C; "
+        "from serving.router import ROUTER_CLASS as R; "
+        "sys.stdout.buffer.write(C(request_router_class=R).get_serialized_request_router_cls())"
+    )
+    blob = subprocess.run(
+        [sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True, check=True
+    ).stdout
+    shipped = cloudpickle.loads(blob)  # as in a gateway process: a copy of serving.router
+    assert shipped is not LoomRequestRouter
+    pin = Pinned("r2", "gateway")
+    pinned_of = shipped.choose_replicas.__globals__["_pinned_of"]
+    assert pinned_of(SimpleNamespace(args=[pin], kwargs={})) is pin
