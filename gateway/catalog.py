@@ -53,7 +53,7 @@ class ModelCatalog:
             return route
         if not any(p == pool for p, _ in self._routes):
             raise GatewayError(ErrorKind.UNAVAILABLE, f"the {pool!r} pool of this tenant is not deployed")
-        served = sorted(m for p, m in self._routes if p == pool)
-        raise GatewayError(
-            ErrorKind.NOT_FOUND, f"model {model!r} is not served here; available: {', '.join(served)}"
-        )
+        # Only what this tenant may use is named: the rest of the pool is none of its business.
+        served = sorted(m for p, m in self._routes if p == pool and tenant.allows_model(m))
+        available = ", ".join(served) or "none"
+        raise GatewayError(ErrorKind.NOT_FOUND, f"model {model!r} is not served here; available: {available}")

@@ -44,10 +44,26 @@ class GatewayError(Exception):
         return f"{self.kind.name}: {self.message}"
 
 
+# A refusal names at most this many bad fields, each cut to a bounded size: a body built to fail in a
+# million places gets a short answer (the rest are counted), never one as large as itself.
+MAX_VIOLATIONS = 10
+MAX_FIELD_CHARS = 128
+MAX_DESCRIPTION_CHARS = 256
+
+
 def invalid_argument(violations: Sequence[Violation]) -> GatewayError:
-    """INVALID_ARGUMENT naming every bad field; the message lists them in the order given."""
-    message = "; ".join(f"{f}: {d}" for f, d in violations)
-    return GatewayError(ErrorKind.INVALID_ARGUMENT, message, violations=tuple(violations))
+    """INVALID_ARGUMENT naming the bad fields in the order given, the first ``MAX_VIOLATIONS`` of them."""
+    shown = [
+        (_cut(f, MAX_FIELD_CHARS), _cut(d, MAX_DESCRIPTION_CHARS)) for f, d in violations[:MAX_VIOLATIONS]
+    ]
+    message = "; ".join(f"{f}: {d}" for f, d in shown)
+    if len(violations) > MAX_VIOLATIONS:
+        message += f"; and {len(violations) - MAX_VIOLATIONS} more"
+    return GatewayError(ErrorKind.INVALID_ARGUMENT, message, violations=tuple(shown))
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def from_tenancy(exc: TenancyError) -> GatewayError:

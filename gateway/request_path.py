@@ -49,6 +49,7 @@ from gateway.metrics import (
     TPOT,
     TTFT,
 )
+from gateway.pre_admission import FairSlots, PreAdmission, Ticket
 from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
@@ -99,7 +100,8 @@ class RequestPath:
         self.tenancy = tenancy
         self.catalog = catalog
         self.settings = settings
-        self._large_tokenize = asyncio.Semaphore(LARGE_TOKENIZE_SLOTS)
+        self._large_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
+        self.pre_admission = PreAdmission()
         # Both fronts' writes to clients, under one clock (a client that reads nothing loses its stream).
         self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self.draining = False  # set when the gateway drains: new calls are refused, streams go on
@@ -120,6 +122,15 @@ class RequestPath:
             AUTH_REFUSALS.inc()
             raise GatewayError(ErrorKind.UNAUTHENTICATED, str(exc)) from None
 
+    def enter(self, principal: Principal) -> Ticket:
+        """A place in the tenant's bound on requests not yet admitted (gateway/pre_admission.py),
+        taken by a front before it reads a body; RESOURCE_EXHAUSTED (counted) past the bound."""
+        try:
+            return self.pre_admission.enter(principal.tenant)
+        except GatewayError as err:
+            self.record_refusal(principal, err)
+            raise
+
     def record_refusal(self, principal: Principal, err: GatewayError) -> None:
         """Count a refusal a front made before the path could run (a body it could not decode)."""
         _count_refusal(principal.tenant.id, err)
@@ -127,8 +138,10 @@ class RequestPath:
 
     def list_models(self, principal: Principal) -> list[ServedModel]:
         """The models this caller may use, in the pool that serves its tenant: the base models, then
-        the tenant's own adapters over them (``<base>:<adapter>``; nobody else sees those)."""
+        the tenant's own adapters over them (``<base>:<adapter>``; nobody else sees those). A
+        suspended tenant is refused (PERMISSION_DENIED), as its completions are."""
         tenant = principal.tenant
+        self._check(tenant, None, prompt_tokens=0, max_tokens=1)
         bases = [ServedModel(r.model, r.context_length, r.pool.name) for r in self.catalog.visible_to(tenant)]
         by_name = {m.id: m for m in bases}
         adapters = [
@@ -149,6 +162,7 @@ class RequestPath:
         *,
         decode_violations: Sequence[Violation] = (),
         ended_early: Callable[[], ErrorKind] = client_left,
+        ticket: Ticket | None = None,
     ) -> AsyncGenerator[Delta, None]:
         """Steps 2-8 for one completion; yields deltas, raises :class:`GatewayError` on a refusal.
 
@@ -158,19 +172,25 @@ class RequestPath:
         end (the stream ends right after the delta with a finish reason; stopping earlier, even just
         after that delta, counts as ended early) and closes the stream when it stops
         (``contextlib.aclosing``), so the engine's work is aborted and the lease settled at once.
+        ``ticket``: the front's place from :meth:`enter`, if it took one before reading the body;
+        released here once the request is admitted.
         """
         tenant = principal.tenant
         call = _Call(tenant.id, time.monotonic())
         try:
             if self.draining:
                 raise GatewayError(ErrorKind.UNAVAILABLE, "the gateway is draining; retry the call")
+            if ticket is None:
+                ticket = self.pre_admission.enter(tenant)
             valid = validate(request, decode_violations)
             route, adapter = self._route(tenant, valid.model)
-            prompt_ids = await self._tokenize(route.tokenizer, valid)
+            self._fits_by_size(tenant, valid, route)
+            prompt_ids = await self._tokenize(route.tokenizer, valid, tenant.id)
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
             call.priority = engine_request.priority.value
             admission = await self._admit(tenant, valid, engine_request)
+            ticket.release()
             deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)
             async with contextlib.aclosing(deltas):  # closing us settles the lease now, not at GC
                 async for delta in deltas:
@@ -188,6 +208,8 @@ class RequestPath:
             call.code = ErrorKind.INTERNAL.name
             raise GatewayError(ErrorKind.INTERNAL, f"internal error (request {ref})") from exc
         finally:
+            if ticket is not None:
+                ticket.release()
             REQUESTS.labels(call.tenant, call.priority, call.code).inc()
 
     # ---- the steps -----------------------------------------------------------------------------------
@@ -217,9 +239,25 @@ class RequestPath:
         route = self.catalog.route(tenant, record.base_model)
         return route, LoraRequest(record.engine_id(tenant.id, name), record.path)
 
-    async def _tokenize(self, tokenizer: Tokenizer, v: ValidRequest) -> list[int]:
+    def _fits_by_size(self, tenant: Tenant, v: ValidRequest, route: ModelRoute) -> None:
+        """Before tokenizing: a prompt whose UTF-8 size alone proves it has more tokens than the
+        context or the tenant's prompt limit allows is refused without spending the work. No token
+        covers more than the tokenizer's longest, so bytes / longest is a floor on the count."""
+        floor = -(-v.prompt_bytes // route.tokenizer.max_token_bytes)
+        cap = tenant.quotas.max_prompt_tokens
+        if floor >= route.context_length or (cap is not None and floor > cap):
+            limit = (
+                f"{v.model}'s context of {route.context_length} tokens"
+                if floor >= route.context_length
+                else f"this tenant's limit of {cap} prompt tokens"
+            )
+            raise invalid_argument(
+                [("prompt", f"{v.prompt_bytes} bytes are at least {floor} tokens, more than {limit}")]
+            )
+
+    async def _tokenize(self, tokenizer: Tokenizer, v: ValidRequest, tenant_id: str) -> list[int]:
         """Step 4: token ids, counted here so admission reserves exact prompt tokens before any
-        replica is involved."""
+        replica is involved. Large prompts take turns by tenant on a few threads."""
 
         def encode() -> list[int]:
             if v.messages is not None:
@@ -230,7 +268,7 @@ class RequestPath:
             if v.prompt_bytes <= INLINE_TOKENIZE_BYTES:
                 ids = encode()
             else:
-                async with self._large_tokenize:
+                async with self._large_tokenize.slot(tenant_id):
                     ids = await asyncio.to_thread(encode)
         except TemplateError as exc:  # the model has no chat template, or the template refused
             raise invalid_argument([("messages", str(exc))]) from None

@@ -18,6 +18,21 @@ class GatewaySettings(BaseSettings):
     http_keepalive_s: float = Field(
         5.0, gt=0, description="idle HTTP keep-alive connections close after this"
     )
+    http_header_timeout_s: float = Field(
+        10.0, gt=0, description="an HTTP request's headers must arrive within this (else 408, closed)"
+    )
+    http_body_timeout_s: float = Field(
+        60.0, gt=0, description="an HTTP request's body must arrive within this once its headers have"
+    )
+    http_max_connections: int = Field(
+        4096, ge=1, description="open HTTP connections; more are answered 503 and closed at once"
+    )
+    http_max_connections_per_source: int = Field(
+        512,
+        ge=1,
+        description="open HTTP connections from one client address (raise it when a proxy or load "
+        "balancer is the only source the gateway sees)",
+    )
     reuse_port: bool = Field(
         False,
         description="share the gRPC and HTTP ports with other gateway processes on this host (SO_REUSEPORT: "

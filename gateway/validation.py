@@ -76,9 +76,9 @@ def _prompt_violations(
         elif n > limit:
             bad.append(("prompt", f"is {n} bytes of UTF-8; the limit is {limit}"))
         size += n or 0
-    if messages:
-        if len(messages) > LIMITS.max_messages:
-            bad.append(("messages", f"more than {LIMITS.max_messages} messages"))
+    if messages and len(messages) > LIMITS.max_messages:  # its length first: a long list is not walked
+        bad.append(("messages", f"at most {LIMITS.max_messages} messages, got {len(messages)}"))
+    elif messages:
         total = 0
         for i, m in enumerate(messages):
             if m.role not in ROLES:

@@ -53,11 +53,12 @@ def sampling_violations(
         bad.append(("top_k", f"must be an integer from 0 (off) to {limits.max_top_k}, got {top_k!r}"))
     if seed is not None and not (isinstance(seed, int) and 0 <= seed < limits.seed_bound):
         bad.append(("seed", f"must be in [0, 2**{limits.seed_bound.bit_length() - 1}), got {seed!r}"))
-    if len(stop) > limits.max_stop_strings:
+    if len(stop) > limits.max_stop_strings:  # its length first: a long list is not walked
         bad.append(("stop", f"at most {limits.max_stop_strings} stop strings, got {len(stop)}"))
-    for i, s in enumerate(stop):
-        if not isinstance(s, str) or not (1 <= len(s) <= limits.max_stop_chars):
-            bad.append((f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters"))
+    else:
+        for i, s in enumerate(stop):
+            if not isinstance(s, str) or not (1 <= len(s) <= limits.max_stop_chars):
+                bad.append((f"stop[{i}]", f"must be 1 to {limits.max_stop_chars} characters"))
     if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= limits.max_logprobs):
         bad.append(("logprobs", f"must be from 0 to {limits.max_logprobs} alternatives, got {logprobs!r}"))
     return bad

@@ -21,7 +21,7 @@ from gateway.grpc.stubs import pb, pb_grpc
 from gateway.request_path import RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest
 from gateway.stall_watch import StreamStalled
-from protocol.limits import Violation
+from protocol.limits import LIMITS, Violation
 from protocol.requests import FinishReason
 
 log = logging.getLogger(__name__)
@@ -47,11 +47,17 @@ def to_request(message: pb.GenerateRequest) -> tuple[InferenceRequest, list[Viol
     priority = _PRIORITIES.get(message.priority)
     if priority is None and message.priority != pb.PRIORITY_UNSPECIFIED:
         bad.append(("priority", f"unknown priority {message.priority}"))
+    if len(message.messages) > LIMITS.max_messages:
+        bad.append(("messages", f"at most {LIMITS.max_messages} messages, got {len(message.messages)}"))
+    if len(message.stop) > LIMITS.max_stop_strings:
+        bad.append(("stop", f"at most {LIMITS.max_stop_strings} stop strings, got {len(message.stop)}"))
     request = InferenceRequest(
         model=message.model,
         prompt=message.prompt or None,  # proto3 cannot tell "" from unset: both mean no prompt
-        messages=tuple(ChatMessage(m.role, m.content) for m in message.messages) or None,
-        stop=tuple(message.stop),
+        # Long lists are refused by their length; only what that check needs is converted.
+        messages=tuple(ChatMessage(m.role, m.content) for m in message.messages[: LIMITS.max_messages])
+        or None,
+        stop=tuple(message.stop[: LIMITS.max_stop_strings]),
         priority=priority,
         request_id=message.request_id or None,
         n=message.n or 1,

@@ -50,12 +50,22 @@ def build_app(path: RequestPath, serving: Callable[[], bool]) -> FastAPI:
 
     async def complete(request: Request, endpoint: Endpoint) -> Response:
         principal = authenticate(request)  # before a byte of the body is read
-        body = decode(endpoint.body_model, await read_body(request))
-        neutral, bad = endpoint.to_request(body)
-        deltas = path.generate(principal, neutral, decode_violations=bad)
-        if body.stream:
-            return await stream_answer(deltas, endpoint, body, path.stall_watch)
-        return await whole_answer(deltas, endpoint, body, request)
+        ticket = path.enter(principal)  # the tenant's bound on requests not yet admitted
+        try:
+            try:
+                body = await decode(
+                    endpoint.body_model, await read_body(request, path.settings.http_body_timeout_s)
+                )
+            except GatewayError as err:  # counted under the tenant, as the path counts its own
+                path.record_refusal(principal, err)
+                raise
+            neutral, bad = endpoint.to_request(body)
+            deltas = path.generate(principal, neutral, decode_violations=bad, ticket=ticket)
+            if body.stream:
+                return await stream_answer(deltas, endpoint, body, path.stall_watch)
+            return await whole_answer(deltas, endpoint, body, request)
+        finally:
+            ticket.release()  # the path released it at admission, unless the request never got there
 
     @app.post("/v1/chat/completions", response_model=ChatCompletion, responses=responses)
     async def chat_completions(request: Request) -> Response:

@@ -161,18 +161,7 @@ class Completions(Endpoint):
 
     def to_request(self, body: CompletionRequest) -> tuple[InferenceRequest, list[Violation]]:
         bad = unsupported_fields(body)
-        prompt = body.prompt
-        if isinstance(prompt, list):
-            if len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            else:
-                bad.append(
-                    (
-                        "prompt",
-                        "send one text prompt per request (token-id and batched prompts are not supported)",
-                    )
-                )
-                prompt = ""
+        prompt = body.prompt[0] if isinstance(body.prompt, list) else body.prompt  # one, by the schema
         request = InferenceRequest(
             prompt=prompt or None, max_tokens=body.max_tokens, logprobs=body.logprobs, **_common(body)
         )
@@ -198,9 +187,9 @@ class Completions(Endpoint):
 CHAT, COMPLETIONS = Chat(), Completions()
 
 
-def _text_of(content: str | list[dict[str, Any]] | None) -> str:
-    if isinstance(content, list):
-        return "".join(str(part.get("text", "")) for part in content)
+def _text_of(content: str | list[Any] | None) -> str:
+    if isinstance(content, list):  # parts that are not objects were refused by unsupported_fields
+        return "".join(str(part.get("text", "")) for part in content if isinstance(part, dict))
     return content or ""
 
 

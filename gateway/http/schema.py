@@ -9,11 +9,17 @@ vLLM's extensions do.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from common import Priority
+from protocol.limits import LIMITS
+
+# Every list a body may hold is bounded in the schema, so pydantic refuses a long one with one error
+# before a per-element error is made for it (a list of a million wrong items would otherwise make a
+# million errors, each a Python object, before any of our checks ran).
+MAX_CONTENT_PARTS = 256
 
 
 class _Body(BaseModel):
@@ -30,7 +36,8 @@ class ChatMessageIn(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
-    content: str | list[dict[str, Any]] | None = None
+    # Parts are checked by ``unsupported_fields``, one violation per bad part at most.
+    content: str | Annotated[list[Any], Field(max_length=MAX_CONTENT_PARTS)] | None = None
 
 
 class _Sampling(_Body):
@@ -39,7 +46,7 @@ class _Sampling(_Body):
     top_p: float | None = None
     top_k: int | None = Field(None, description="Loom/vLLM extension; 0 or unset: no top-k cut")
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: str | Annotated[list[str], Field(max_length=LIMITS.max_stop_strings)] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -49,7 +56,7 @@ class _Sampling(_Body):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessageIn]
+    messages: Annotated[list[ChatMessageIn], Field(max_length=LIMITS.max_messages)]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -57,12 +64,23 @@ class ChatCompletionRequest(_Sampling):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] = Field(description="one text prompt (or a list holding one)")
     max_tokens: int | None = Field(16, description="as OpenAI: 16 when unset")
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _one_text_prompt(cls, value: Any) -> Any:
+        """Token-id and batched prompts are refused here, as one error, before their elements are
+        validated one by one."""
+        if isinstance(value, list) and not (len(value) == 1 and isinstance(value[0], str)):
+            raise ValueError(
+                "send one text prompt per request (token-id and batched prompts are not supported)"
+            )
+        return value
 
 
 # Fields that change what the answer means, which Loom cannot honour: refused by name, never ignored.
@@ -102,6 +120,9 @@ def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[
                     (f"messages[{i}].role", f"{m.role!r} messages need tools, which Loom does not support")
                 )
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
+                if not isinstance(part, dict):
+                    bad.append((f"messages[{i}].content[{j}]", "must be a content part object"))
+                    continue
                 kind = part.get("type")
                 if kind in _UNSUPPORTED_MODALITIES:
                     bad.append((f"messages[{i}].content[{j}]", f"{kind!r} input is not supported; send text"))

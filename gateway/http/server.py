@@ -12,6 +12,7 @@ from collections.abc import Callable, Iterator
 import uvicorn
 
 from gateway.http.app import build_app
+from gateway.http.connections import ConnectionLimits, bounded_protocol
 from gateway.request_path import RequestPath
 from gateway.settings import GatewaySettings
 from gateway.tls import TlsFiles
@@ -24,6 +25,11 @@ class HttpFront:
         self._server: uvicorn.Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.port: int | None = None
+        self.connections = ConnectionLimits(
+            settings.http_max_connections,
+            settings.http_max_connections_per_source,
+            settings.http_header_timeout_s,
+        )
 
     async def start(self, host: str, port: int) -> int:
         s = self.settings
@@ -32,6 +38,7 @@ class HttpFront:
             host=host,
             port=port,
             lifespan="off",
+            http=bounded_protocol(self.connections),
             log_level="warning",
             access_log=False,
             timeout_keep_alive=math.ceil(s.http_keepalive_s),

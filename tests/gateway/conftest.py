@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 import redis
+from prometheus_client import REGISTRY
 
 import serving.bootstrap
 from gateway.grpc.client import LoomClient
@@ -116,6 +117,11 @@ class Gateway:
             return True
         except Exception:
             return False
+
+    def refusals(self, tenant_id: str, reason: str) -> float:
+        """The gateway's count of this tenant's refusals for ``reason`` (it runs in this process)."""
+        labels = {"tenant": tenant_id, "reason": reason}
+        return REGISTRY.get_sample_value("loom:gateway_admission_refusals_total", labels) or 0.0
 
     def client(self, key: str | None) -> LoomClient:
         return LoomClient(self.address, key)

@@ -192,6 +192,34 @@ async def test_bad_json_and_unknown_fields(gateway: Gateway) -> None:
     assert unknown.status_code == 200  # unknown fields are ignored
 
 
+async def test_bodies_built_to_fail_everywhere_get_one_short_answer(gateway: Gateway) -> None:
+    """Lists of a hundred thousand bad items (a prompt of empty objects, stop strings, messages,
+    content parts) are refused by their length or shape: one short 400 each, the refusal counted
+    under the tenant, the gateway's loop never stalled for the time a per-item error list would take."""
+    tenant, key = await gateway.tenant()
+    url = f"http://{gateway.server.http_address}/v1"
+    headers = {"authorization": f"Bearer {key}"}
+    many = 100_000
+    chat = {"model": TINY, "max_tokens": 1}
+    bodies = {
+        "prompt": ("completions", {"model": TINY, "prompt": [{}] * many}),
+        "stop": ("completions", {"model": TINY, "prompt": "a", "stop": [{}] * many}),
+        "messages": ("chat/completions", {**chat, "messages": [{"role": 1}] * many}),
+        "messages[0].content": (
+            "chat/completions",
+            {**chat, "messages": [{"role": "user", "content": [7] * many}]},
+        ),
+    }
+    before = gateway.refusals(tenant.id, "invalid_argument")
+    async with httpx.AsyncClient(timeout=30) as http:
+        for param, (route, body) in bodies.items():
+            reply = await http.post(f"{url}/{route}", json=body, headers=headers)
+            assert reply.status_code == 400, (param, reply.text[:200])
+            assert len(reply.content) < 4096, param
+            assert reply.json()["error"]["param"] == param
+    assert gateway.refusals(tenant.id, "invalid_argument") == before + len(bodies)
+
+
 # ---- the connection ----------------------------------------------------------------------------------
 
 

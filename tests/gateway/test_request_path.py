@@ -21,7 +21,7 @@ from prometheus_client import REGISTRY
 from common import Priority
 from gateway.catalog import ModelCatalog, ModelRoute
 from gateway.engine_pool import WorkerLostError
-from gateway.errors import ErrorKind, GatewayError
+from gateway.errors import MAX_VIOLATIONS, ErrorKind, GatewayError, invalid_argument
 from gateway.request_path import INLINE_TOKENIZE_BYTES, RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest, ServedModel
 from gateway.settings import GatewaySettings
@@ -54,7 +54,7 @@ def test_every_bad_field_is_named_at_once() -> None:
         top_p=0.0,
         top_k=-1,
         seed=-1,
-        stop=("", *(["x"] * LIMITS.max_stop_strings)),
+        stop=("", "x"),
         request_id="has spaces",
     )
     assert _fields(request, [("priority", "unknown priority 42")]) == [
@@ -65,10 +65,32 @@ def test_every_bad_field_is_named_at_once() -> None:
         "top_p",
         "top_k",
         "seed",
-        "stop",
         "stop[0]",
         "request_id",
     ]
+
+
+def test_a_list_over_its_limit_is_refused_by_length_without_walking_its_items() -> None:
+    """A million bad stop strings or messages make one violation, not a million."""
+    many = 100_000
+    stop = InferenceRequest(model=MODEL, prompt="hi", stop=("",) * many)
+    with pytest.raises(GatewayError) as info:
+        validate(stop)
+    assert [f for f, _ in info.value.violations] == ["stop"]
+    assert f"got {many}" in info.value.message
+    messages = InferenceRequest(model=MODEL, messages=(ChatMessage("nobody", "\ud800"),) * many)
+    with pytest.raises(GatewayError) as info:
+        validate(messages)
+    assert [f for f, _ in info.value.violations] == ["messages"]
+
+
+def test_a_refusal_names_a_bounded_number_of_fields_in_bounded_words() -> None:
+    bad = [(f"field{i}" + "x" * 1000, "d" * 10_000) for i in range(1000)]
+    err = invalid_argument(bad)
+    assert len(err.violations) == MAX_VIOLATIONS
+    assert err.message.endswith(f"and {1000 - MAX_VIOLATIONS} more")
+    assert len(err.message) < MAX_VIOLATIONS * 500
+    assert err.violations[0][0].startswith("field0")
 
 
 def test_the_prompt_limit_counts_utf8_bytes_not_characters() -> None:
@@ -112,6 +134,8 @@ def test_defaults_are_filled_in() -> None:
 
 class ByteTokenizer:
     """One token per UTF-8 byte; records the thread each prompt was encoded on."""
+
+    max_token_bytes = 1
 
     def __init__(self) -> None:
         self.threads: list[int] = []
@@ -344,11 +368,51 @@ async def test_a_lost_engine_is_unavailable_and_a_bug_is_internal(world: World) 
 
 
 async def test_large_prompts_are_tokenized_off_the_event_loop(world: World) -> None:
+    world.tokenizer.max_token_bytes = INLINE_TOKENIZE_BYTES  # no size floor: the prompt is tokenized
     loop_thread = threading.get_ident()
     await refusal(world, ask("y" * (INLINE_TOKENIZE_BYTES + 1)))  # too long for the context anyway
     await drain(world.path.generate(world.principal(), ask("small", max_tokens=1)))
     assert world.tokenizer.threads[0] != loop_thread
     assert world.tokenizer.threads[1] == loop_thread
+
+
+async def test_a_prompt_too_large_by_its_bytes_alone_is_refused_before_tokenizing(world: World) -> None:
+    """One token stands for at most max_token_bytes (1 here): CONTEXT + 1 bytes cannot fit."""
+    err = await refusal(world, ask("y" * (CONTEXT + 1)))
+    assert err.kind is ErrorKind.INVALID_ARGUMENT and err.violations[0][0] == "prompt"
+    assert f"at least {CONTEXT + 1} tokens" in err.message
+    assert world.tokenizer.threads == []  # no tokenizing work was spent on it
+    fits = await drain(world.path.generate(world.principal(), ask("y" * (CONTEXT - 2), max_tokens=1)))
+    assert fits[-1].finish_reason is not None
+
+
+async def test_requests_not_yet_admitted_are_bounded_per_tenant(world: World) -> None:
+    """A front's ticket (taken before it reads a body) counts against the tenant's concurrency; the
+    path releases it at admission, so a stream does not hold it."""
+    solo = world.principal("solo")
+    ticket = world.path.enter(solo)
+    with pytest.raises(GatewayError) as info:
+        world.path.enter(solo)
+    assert info.value.kind is ErrorKind.RESOURCE_EXHAUSTED and info.value.limit == "max_concurrent"
+    assert info.value.retry_after_s is not None
+    refused = await refusal(world, ask(max_tokens=1), role="solo")  # the path takes one itself
+    assert refused.limit == "max_concurrent" and "prepared for admission" in refused.message
+    world.pool.stall_after = 1
+    stream = world.path.generate(solo, ask(max_tokens=3), ticket=ticket)
+    await anext(stream)  # admitted and streaming: the ticket is free again
+    assert world.path.pre_admission.held(world.ids["solo"]) == 0
+    await stream.aclose()
+    assert world.path.pre_admission.held(world.ids["main"]) == 0  # unlimited tenants hold none
+
+
+async def test_a_suspended_tenant_cannot_list_models_and_not_found_names_only_allowed_ones(
+    world: World,
+) -> None:
+    with pytest.raises(GatewayError) as info:
+        world.path.list_models(world.principal("frozen"))
+    assert info.value.kind is ErrorKind.PERMISSION_DENIED
+    err = await refusal(world, ask(model="something-else"), role="other")
+    assert err.kind is ErrorKind.NOT_FOUND and MODEL not in err.message
 
 
 async def test_authenticate_and_list_models(world: World) -> None:
