@@ -61,6 +61,7 @@ owned_by
 
 # pydantic validators, called by pydantic (continued).
 _tls_is_whole  # gateway.settings.GatewaySettings
+_one_text_prompt  # gateway.http.schema.CompletionRequest
 
 # pytest fixtures requested by name (continued).
 folder_ray  # tests/faults/conftest.py

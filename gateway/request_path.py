@@ -214,7 +214,7 @@ class RequestPath:
 
     # ---- the steps -----------------------------------------------------------------------------------
 
-    def _check(self, tenant: Tenant, model: str, prompt_tokens: int, max_tokens: int) -> None:
+    def _check(self, tenant: Tenant, model: str | None, prompt_tokens: int, max_tokens: int) -> None:
         try:
             self.tenancy.check_request(
                 tenant, model=model, prompt_tokens=prompt_tokens, max_tokens=max_tokens
