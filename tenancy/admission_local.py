@@ -194,6 +194,21 @@ class LocalAdmission:
         return self.sweep_sync()
 
     # -- the rules ------------------------------------------------------------------------------
+    def clock_us(self) -> int:
+        return self._clock()
+
+    def seed_buckets(
+        self, tenant_id: str, rpm_level: float | None, tpm_level: float | None, now: int
+    ) -> None:
+        """Set a tenant's rate buckets to these levels (None: leave that one as it is), as the Redis
+        enforcer does when it falls back here, so that quota spent there is not granted again."""
+        with self._lock:
+            st = self._states[tenant_id]
+            if rpm_level is not None:
+                st.rpm = qm.Bucket(rpm_level, now)
+            if tpm_level is not None:
+                st.tpm = qm.Bucket(tpm_level, now)
+
     def admit_sync(self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int) -> Admission:
         validate_admission_args(request_id, prompt_tokens, max_tokens)
         limits = self._limits_for(tenant)

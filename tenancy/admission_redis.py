@@ -85,6 +85,16 @@ def _is_unavailable(exc: BaseException) -> bool:
     return isinstance(exc, redis.exceptions.ResponseError) and str(exc).startswith(_TRANSIENT_REPLIES)
 
 
+def _is_timeout(exc: BaseException) -> bool:
+    return isinstance(exc, redis.exceptions.TimeoutError | TimeoutError)
+
+
+def _level(raw: Any) -> float | None:
+    """A bucket level as the script returns it: its decimal text, empty for a limit not set."""
+    text = raw.decode() if isinstance(raw, bytes) else str(raw)
+    return float(text) if text else None
+
+
 def _opt(value: int | None) -> int:
     """Unlimited is sent to the script as -1."""
     return -1 if value is None else value
@@ -152,6 +162,10 @@ class RedisAdmission:
         self._pending: deque[_PendingFinish] = deque()
         self._pending_max = s.pending_finish_max
         self._budget_seen: dict[str, _BudgetSeen] = {}
+        # Each tenant's rate buckets (requests, tokens) as Redis's last admit left them; None: no limit.
+        self._levels_seen: dict[str, tuple[float | None, float | None]] = {}
+        self._timeouts_in_a_row = 0
+        self._timeouts_to_degrade = s.redis_timeouts_to_degrade
         self._probe_task: asyncio.Task[None] | None = None
         self._replay_task: asyncio.Task[int] | None = None
         self._owns_client = False
@@ -191,11 +205,23 @@ class RedisAdmission:
         for m in (QuotaMode.REDIS, QuotaMode.FAIL_STATIC, QuotaMode.FAIL_CLOSED):
             metrics.QUOTA_MODE.labels(mode=m.value).set(1 if m is current else 0)
 
-    def _mark_down(self, op: str, exc: BaseException) -> None:
+    def _mark_down(self, op: str, exc: BaseException) -> bool:
+        """Count a failed call; True once admission is degraded (fail-static or fail-closed).
+
+        A refused or reset connection is an outage at once. A timeout may be this gateway's own load
+        (its event loop late, its connection pool busy) as much as Redis's: only
+        ``redis_timeouts_to_degrade`` of them in a row degrade admission; until then each call that
+        timed out is refused as retryable, and limits stay Redis's.
+        """
         metrics.REDIS_ERRORS.labels(op=op).inc()
+        if self._healthy and _is_timeout(exc):
+            self._timeouts_in_a_row += 1
+            if self._timeouts_in_a_row < self._timeouts_to_degrade:
+                return False
         self._next_probe = time.monotonic() + self._probe_interval_s
         if self._healthy:
             self._healthy = False
+            self._seed_local_buckets()
             self._set_mode_gauge()
             log.warning(
                 "quota store unreachable (%s during %s: %s); admission mode is now %s%s",
@@ -207,8 +233,12 @@ class RedisAdmission:
                 if self.mode is QuotaMode.FAIL_STATIC
                 else " (refusing all admissions)",
             )
+        return True
 
-    def _mark_up(self) -> None:
+    def _answered(self) -> None:
+        """Redis answered a call: timeouts in a row start over; a degraded mode ends; finishes
+        buffered meanwhile are replayed."""
+        self._timeouts_in_a_row = 0
         if not self._healthy:
             self._healthy = True
             self._set_mode_gauge()
@@ -218,6 +248,19 @@ class RedisAdmission:
             )
         if self._pending and (self._replay_task is None or self._replay_task.done()):
             self._replay_task = asyncio.get_running_loop().create_task(self.replay_pending())
+
+    def _seed_local_buckets(self) -> None:
+        """The local limiter's rate buckets start where Redis's last answers left each tenant's (this
+        replica's share of it), not full: a full bucket would grant again what was just spent."""
+        now = self._fallback.clock_us()
+        for tenant_id, (rpm_level, tpm_level) in self._levels_seen.items():
+            share = 1 / self._replicas
+            self._fallback.seed_buckets(
+                tenant_id,
+                None if rpm_level is None else rpm_level * share,
+                None if tpm_level is None else tpm_level * share,
+                now,
+            )
 
     def _should_try_redis(self) -> bool:
         if self._healthy:
@@ -272,7 +315,7 @@ class RedisAdmission:
                 if not _is_unavailable(exc):
                     log.exception("quota store probe failed")
                 continue
-            self._mark_up()
+            self._answered()
 
     def hold(self, tenant: Tenant, admission: Admission) -> ActiveLease:
         return ActiveLease(self, tenant, admission)
@@ -367,10 +410,18 @@ class RedisAdmission:
         except Exception as exc:
             if not _is_unavailable(exc):
                 raise
-            self._mark_down("admit", exc)
-            return self._admit_degraded(tenant, request_id, prompt_tokens, max_tokens)
-        if not self._healthy:
-            self._mark_up()
+            if self._mark_down("admit", exc):
+                return self._admit_degraded(tenant, request_id, prompt_tokens, max_tokens)
+            metrics.admission_counter("refused", Limit.QUOTA_STORE_UNAVAILABLE.value, "redis").inc()
+            return Admission(
+                granted=False,
+                tenant_id=tenant.id,
+                request_id=request_id,
+                backend=QuotaMode.REDIS,
+                limit=Limit.QUOTA_STORE_UNAVAILABLE,
+                retry_after_s=self._probe_interval_s,
+            )
+        self._answered()
         return self._parse_admit(tenant, request_id, reply)
 
     def _parse_admit(self, tenant: Tenant, request_id: str, reply: list[Any]) -> Admission:
@@ -380,6 +431,9 @@ class RedisAdmission:
         now_us = time.time_ns() // 1000
         day = qm.day_index(now_us)
         self._budget_seen[tenant.id] = _BudgetSeen(day, day_used, qm.month_index(day), month_used)
+        levels = reply[7:9] if granted else reply[5:7]
+        if len(levels) == 2:
+            self._levels_seen[tenant.id] = (_level(levels[0]), _level(levels[1]))
         if granted:
             metrics.admission_counter("granted", "", "redis").inc()
             return Admission(
@@ -458,8 +512,7 @@ class RedisAdmission:
                 raise
             self._mark_down("renew", exc)
             return Renewal(False, reason="unavailable")
-        if not self._healthy:
-            self._mark_up()
+        self._answered()
         tag = reply[1].decode() if isinstance(reply[1], bytes) else str(reply[1])
         if reply[0] == 1:
             return Renewal(True, lease_expires_at=int(reply[2]) / 1e6, reason=tag)
@@ -518,8 +571,7 @@ class RedisAdmission:
                     raise
                 self._mark_down("finish", exc)
             else:
-                if not self._healthy:
-                    self._mark_up()
+                self._answered()
                 return FinishResult(recorded=reply[0] == 1, refunded_tokens=int(reply[2]))
         self._buffer(pending)
         return FinishResult(recorded=True, deferred=True, backend=self.mode)

@@ -44,7 +44,13 @@ class TenancySettings(BaseSettings):
     gateway_replicas: int = Field(
         default=1, ge=1, description="Replica count: in fail-static each replica enforces 1/N of a limit."
     )
-    redis_timeout_s: float = Field(default=0.25, gt=0, le=10, description="Per-command socket timeout.")
+    redis_timeout_s: float = Field(default=1.0, gt=0, le=10, description="Per-command socket timeout.")
+    redis_timeouts_to_degrade: int = Field(
+        default=3,
+        ge=1,
+        description="Timeouts in a row before admission degrades to failure_mode (a refused connection "
+        "degrades at once); a timeout before that refuses its own request as retryable.",
+    )
     redis_max_connections: int = Field(default=128, ge=1)
     redis_probe_interval_s: float = Field(
         default=1.0, gt=0, description="While Redis is down, how often to try it again."

@@ -257,8 +257,11 @@ if op == 'admit' then
     consider('max_concurrent', wait)
   end
 
+  -- The rate buckets' levels travel back as text (Lua numbers become integers in a reply), empty
+  -- for a limit not set: a gateway that loses Redis starts its local buckets from them.
+  local function level(x) if x == nil then return '' end return tostring(x) end
   if worst then
-    return {0, worst, worst_wait, day_used, month_used}
+    return {0, worst, worst_wait, day_used, month_used, level(rpm_level), level(tpm_level)}
   end
 
   -- All limits pass: reserve everything.
@@ -283,7 +286,10 @@ if op == 'admit' then
   redis.call('HSET', KEYS[3], 'state', 'running', 'reserved', int(cost), 'prompt', int(prompt),
              'day', int(today), 'month', int(this_month), 'completion', 0)
   redis.call('PEXPIRE', KEYS[3], int(p.state_ttl_ms))
-  return {1, 'ok', expiry, cost, day_used, month_used, prompt}
+  local rpm_left, tpm_left
+  if rpm >= 0 then rpm_left = rpm_level - 1 end
+  if tpm >= 0 then tpm_left = tpm_level - cost end
+  return {1, 'ok', expiry, cost, day_used, month_used, prompt, level(rpm_left), level(tpm_left)}
 
 elseif op == 'renew' then
   local conc, lease_ttl, completion = tonumber(ARGV[3]), tonumber(ARGV[4]), tonumber(ARGV[5])

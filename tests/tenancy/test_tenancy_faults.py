@@ -104,8 +104,9 @@ async def test_redis_killed_then_restarted(redis_server_factory, caplog):
         server.kill()
         async with asyncio.timeout(HANG_GUARD_S):
             during = [await enforcer.admit(tenant, f"during-{i}", 10, 10) for i in range(6)]
-        # fail-static: this replica (of 2) enforces half of 10 requests/min locally.
-        assert [a.granted for a in during] == [True] * 5 + [False]
+        # fail-static: this replica (of 2) enforces half of what Redis last left: 9 of 10 requests/min
+        # (one was spent before the outage), so 4.5 here; a bucket starting full would grant 5.
+        assert [a.granted for a in during] == [True] * 4 + [False] * 2
         assert {a.backend for a in during} == {QuotaMode.FAIL_STATIC}
         assert during[-1].limit is Limit.REQUESTS_PER_MINUTE
         assert enforcer.mode is QuotaMode.FAIL_STATIC and mode_gauge("fail_static") == 1.0
@@ -151,6 +152,9 @@ async def test_redis_that_stops_answering(redis_server_factory, failure_mode):
         server.pause()  # SIGSTOP: connections stay open, nothing answers
         try:
             async with asyncio.timeout(HANG_GUARD_S):
+                # A timeout may be the gateway's own load: the first ones refuse their own request
+                # (retryable) and leave the mode alone; only several in a row degrade it.
+                await _timeouts_before_degrading(enforcer, tenant, settings.redis_timeouts_to_degrade)
                 frozen = await enforcer.admit(tenant, rid(), 1, 1)
                 again = await enforcer.admit(tenant, rid(), 1, 1)  # within the probe interval
             if failure_mode == "fail_static":
@@ -172,6 +176,14 @@ async def test_redis_that_stops_answering(redis_server_factory, failure_mode):
         await enforcer.close()
 
 
+async def _timeouts_before_degrading(enforcer: RedisAdmission, tenant: Tenant, in_a_row: int) -> None:
+    for _ in range(in_a_row - 1):
+        refused = await enforcer.admit(tenant, rid(), 1, 1)
+        assert not refused.granted and refused.limit is Limit.QUOTA_STORE_UNAVAILABLE
+        assert refused.retry_after_s is not None and refused.retry_after_s > 0
+        assert enforcer.mode is QuotaMode.REDIS
+
+
 async def test_black_hole_never_hangs(hasher):
     hole = socket.socket()
     hole.bind(("127.0.0.1", 0))
@@ -184,6 +196,7 @@ async def test_black_hole_never_hangs(hasher):
     watcher = RedisTenantWatcher.from_settings(settings, directory)
     try:
         async with asyncio.timeout(HANG_GUARD_S):
+            await _timeouts_before_degrading(enforcer, tenant, settings.redis_timeouts_to_degrade)
             admission = await enforcer.admit(tenant, rid(), 1, 1)
             await watcher.start()  # starts anyway, serving the (empty) cache, retrying behind
             with pytest.raises(StoreUnavailableError):
@@ -219,3 +232,31 @@ async def test_gateway_started_while_redis_is_down_loads_config_when_it_returns(
         assert directory.authenticate(key).tenant_id == "acme"
     finally:
         await watcher.stop()
+
+
+async def test_timeouts_that_are_not_in_a_row_never_degrade_admission(redis_server_factory):
+    """A loaded gateway's late event loop times out a call now and then: each such call is refused as
+    retryable, the next answer starts the count over, and limits stay Redis's throughout."""
+    server = redis_server_factory()
+    settings = fault_settings(server.url)
+    tenant = make_tenant("acme", requests_per_minute=100)
+    enforcer = RedisAdmission.from_settings(settings)
+    answer = enforcer._eval
+    late = iter(())
+
+    async def sometimes_late(keys, args):
+        if next(late, False):
+            raise TimeoutError
+        return await answer(keys, args)
+
+    enforcer._eval = sometimes_late  # type: ignore[method-assign]
+    try:
+        for _ in range(3):
+            late = iter([True] * (settings.redis_timeouts_to_degrade - 1) + [False])
+            results = [
+                await enforcer.admit(tenant, rid(), 1, 1) for _ in range(settings.redis_timeouts_to_degrade)
+            ]
+            assert [r.granted for r in results] == [False] * (settings.redis_timeouts_to_degrade - 1) + [True]
+            assert results[-1].backend is QuotaMode.REDIS and enforcer.mode is QuotaMode.REDIS
+    finally:
+        await enforcer.close()
