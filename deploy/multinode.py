@@ -321,7 +321,7 @@ def plan(overlay: str, workdir: Path, redis_port: int, redis_password: str, thre
     env = container_env(gateway_pod.containers[0], objects, values)
     cert, key = _certificate(workdir)
     url = urllib.parse.urlsplit(env["LOOM_TENANCY_REDIS_URL"])
-    local_url = url._replace(netloc=f"{url.netloc.rsplit('@', 1)[0]}@127.0.0.1:{redis_port}").geturl()
+    local_url = url._replace(netloc=f"127.0.0.1:{redis_port}").geturl()  # its password: its own variable
     gateway_port, http_port, metrics_port = free_port(), free_port(), free_port()
     overrides = {
         # one machine, shared: listen on loopback, on free ports
@@ -333,7 +333,7 @@ def plan(overlay: str, workdir: Path, redis_port: int, redis_password: str, thre
         # the Secret volume's files, made here (a self-signed certificate for 127.0.0.1)
         "LOOM_GATEWAY_TLS_CERT_FILE": str(cert),
         "LOOM_GATEWAY_TLS_KEY_FILE": str(key),
-        # the redis Service is a local redis-server (same password, from the same Secret)
+        # the redis Service is a local redis-server (the same password, from the same Secret)
         "LOOM_TENANCY_REDIS_URL": local_url,
         # 2 replicas and a gateway share this machine's cores
         "LOOM_ENGINE_NUM_THREADS": str(threads),
@@ -365,8 +365,7 @@ def plan(overlay: str, workdir: Path, redis_port: int, redis_password: str, thre
         },
         engine_nodes=int(engine["replicas"]),
         serve_config=config,
-        overrides={k: v for k, v in overrides.items() if "TLS" not in k}
-        | {"TLS": "self-signed, 127.0.0.1", "LOOM_TENANCY_REDIS_URL": local_url.replace(redis_password, "*")},
+        overrides={k: v for k, v in overrides.items() if "TLS" not in k} | {"TLS": "self-signed, 127.0.0.1"},
         gateway_port=gateway_port,
         metrics_port=metrics_port,
         tls_ca=cert,

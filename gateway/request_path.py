@@ -54,6 +54,7 @@ from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
 from gateway.stall_watch import StallWatch
+from gateway.stream_deadline import StreamDeadline
 from gateway.validation import ValidRequest, validate
 from protocol.adapters import LoraRequest
 from protocol.limits import LIMITS, Violation
@@ -398,17 +399,20 @@ class RequestPath:
         cached = 0
         unfinished = v.n
         async with self.tenancy.admission.hold(tenant, admission) as lease:
+            outputs = _choices(route, _copies(request, v.n))
+            limit_s = self.settings.max_stream_duration_s
+            deadline = StreamDeadline(
+                limit_s - (time.monotonic() - call.started),
+                f"the stream ran past the gateway's limit of {limit_s:g} s",
+            )
             try:
-                outputs = _choices(route, _copies(request, v.n))
                 async with contextlib.aclosing(outputs):
-                    async for index, out in outputs:
+                    while True:
+                        try:
+                            index, out = await deadline.next(outputs)
+                        except StopAsyncIteration:
+                            break
                         now = time.monotonic()
-                        if now - call.started > self.settings.max_stream_duration_s:
-                            raise GatewayError(
-                                ErrorKind.DEADLINE_EXCEEDED,
-                                f"the stream ran past the gateway's limit of "
-                                f"{self.settings.max_stream_duration_s:g} s",
-                            )
                         if out.token_ids:
                             if first_token_at is None:
                                 first_token_at = now
@@ -437,6 +441,8 @@ class RequestPath:
                 raise GatewayError(ErrorKind.UNAVAILABLE, str(exc)) from None
             except InvalidRequestError as exc:  # the engine disagreed with the gateway's checks
                 raise invalid_argument([(exc.field, exc.detail)]) from None
+            finally:
+                deadline.close()
         E2E.labels(priority).observe(time.monotonic() - call.started)
         if first_token_at is not None and delivered > 1:
             TPOT.labels(priority).observe((last_token_at - first_token_at) / (delivered - 1))

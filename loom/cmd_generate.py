@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ipaddress
 import sys
 import time
 from typing import Any
@@ -72,6 +73,12 @@ async def _run_remote(args: argparse.Namespace) -> int:
         fields["seed"] = args.seed
     if args.priority:
         fields["priority"] = f"PRIORITY_{args.priority.upper()}"
+    if args.tls_ca is None and not _is_loopback(args.address):
+        print(
+            f"loom generate: warning: no --tls-ca, so the API key goes to {args.address} in plaintext; "
+            "anyone on the network path can read it",
+            file=sys.stderr,
+        )
     async with LoomClient.from_files(args.address, args.api_key, args.tls_ca) as client:
         try:
             model = args.model or next(iter(await client.list_models())).id
@@ -96,6 +103,17 @@ async def _run_remote(args: argparse.Namespace) -> int:
         u = final.usage
         print(f"[{u.prompt_tokens} prompt + {u.completion_tokens} completion tokens]", file=sys.stderr)
     return 0
+
+
+def _is_loopback(address: str) -> bool:
+    """Whether ``host:port`` names this machine (a key sent there in plaintext crosses no network)."""
+    host = address.rsplit(":", 1)[0].strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _run_local(args: argparse.Namespace) -> int:

@@ -87,7 +87,7 @@ def _secrets(settings: TenancySettings) -> set[str]:
     """Tenancy fields that must not travel in deployment arguments (Ray keeps those in its GCS): the
     key-hashing secrets, and a Redis URL that carries a password. Replicas read them from their own
     environment (``LOOM_TENANCY_*``: the pod's, from a Kubernetes Secret)."""
-    fields = {"secret", "previous_secrets"}
+    fields = {"secret", "previous_secrets", "redis_password"}
     if urlparse(str(settings.redis_url)).password:
         fields.add("redis_url")
     return fields

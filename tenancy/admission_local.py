@@ -148,6 +148,7 @@ class LocalAdmission:
         self._records: OrderedDict[tuple[str, str], _Record] = OrderedDict()
         self._usage: dict[tuple[str, str], _UsageCounters] = defaultdict(_UsageCounters)
         self._state_revision = 0
+        self._pruned_day = -1  # the day usage older than the retention was last dropped
         if mode is QuotaMode.LOCAL:
             for m in QuotaMode:
                 metrics.QUOTA_MODE.labels(mode=m.value).set(1 if m is QuotaMode.LOCAL else 0)
@@ -562,8 +563,9 @@ class LocalAdmission:
             c.errors += 1
         elif outcome is Outcome.EXPIRED:
             c.expired += 1
-        cutoff = qm.day_label(today - self._retention_days)
-        if len(self._usage) > 4 * self._retention_days:
+        if today != self._pruned_day:  # once a day: many tenants' live days are many keys to scan
+            self._pruned_day = today
+            cutoff = qm.day_label(today - self._retention_days)
             for k in [k for k in self._usage if k[1] < cutoff]:
                 del self._usage[k]
 

@@ -174,7 +174,7 @@ class RedisAdmission:
     @classmethod
     def from_settings(cls, settings: TenancySettings) -> RedisAdmission:
         client = async_client(
-            settings.redis_url,
+            settings.redis_dsn,
             timeout_s=settings.redis_timeout_s,
             max_connections=settings.redis_max_connections,
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from enum import StrEnum
 from pathlib import Path
 from typing import Literal
+from urllib.parse import quote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -28,6 +29,11 @@ class TenancySettings(BaseSettings):
         default="file", description="'file': embedded single-node store; 'redis': the cluster store."
     )
     redis_url: str = "redis://127.0.0.1:6379/0"
+    redis_password: SecretStr | None = Field(
+        default=None,
+        description="Redis's password, when not in redis_url: kept apart so that the URL can be shared "
+        "config and the password given only to the pods that talk to Redis (the gateways)",
+    )
     key_prefix: str = Field(
         default="loom", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Prefix of every Redis key."
     )
@@ -96,6 +102,18 @@ class TenancySettings(BaseSettings):
     pending_finish_max: int = Field(
         default=100_000, ge=1, description="Finishes buffered while Redis is down, replayed after."
     )
+
+    @property
+    def redis_dsn(self) -> str:
+        """The URL clients connect with: ``redis_url``, with ``redis_password`` put in if it is set."""
+        if self.redis_password is None:
+            return self.redis_url
+        parts = urlsplit(self.redis_url)
+        user = parts.username or ""
+        password = quote(self.redis_password.get_secret_value(), safe="")
+        host = parts.hostname or ""
+        port = f":{parts.port}" if parts.port else ""
+        return urlunsplit(parts._replace(netloc=f"{user}:{password}@{host}{port}"))
 
     def hasher(self) -> KeyHasher:
         """The key hasher for these settings (reads or creates the secret file if no secret is set)."""

@@ -89,7 +89,7 @@ class RedisTenantStore(SharedAdminCommands):
 
     @classmethod
     def from_settings(cls, settings: TenancySettings, hasher: KeyHasher | None = None) -> RedisTenantStore:
-        client = sync_client(settings.redis_url, timeout_s=max(settings.redis_timeout_s, 2.0))
+        client = sync_client(settings.redis_dsn, timeout_s=max(settings.redis_timeout_s, 2.0))
         return cls(
             client,
             hasher or settings.hasher(),

@@ -72,8 +72,8 @@ class RedisTenantWatcher:
 
     @classmethod
     def from_settings(cls, settings: TenancySettings, directory: TenantDirectory) -> RedisTenantWatcher:
-        client = async_client(settings.redis_url, timeout_s=settings.redis_timeout_s, max_connections=8)
-        sub = async_pubsub_client(settings.redis_url, timeout_s=settings.redis_timeout_s)
+        client = async_client(settings.redis_dsn, timeout_s=settings.redis_timeout_s, max_connections=8)
+        sub = async_pubsub_client(settings.redis_dsn, timeout_s=settings.redis_timeout_s)
         watcher = cls(
             client,
             directory,

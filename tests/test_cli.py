@@ -99,3 +99,10 @@ def test_serve_prints_a_key_that_generate_uses_then_shuts_down_on_ctrl_c(tmp_pat
     finally:
         serve.send_signal(signal.SIGINT)
         assert serve.wait(timeout=120) == 0
+
+
+def test_generate_warns_before_sending_a_key_in_plaintext_off_this_machine() -> None:
+    from loom.cmd_generate import _is_loopback
+
+    assert all(_is_loopback(a) for a in ("127.0.0.1:50051", "localhost:1", "[::1]:50051", "127.9.9.9:1"))
+    assert not any(_is_loopback(a) for a in ("10.0.0.5:50051", "gateway.svc:50051", "[2001:db8::1]:1"))

@@ -34,6 +34,7 @@ from deploy.manifests import (
     container_env,
     one,
     pod_templates,
+    secret_refs,
     serve_config,
 )
 
@@ -174,3 +175,23 @@ def test_import_path_builds_the_application(rendered: dict[str, list[Manifest]])
         assert set(deployments) == {"gateway", "engine-shared"}, overlay
         assert deployments["gateway"].func_or_class.__name__ == "GatewayIngress"
         assert deployments["engine-shared"].func_or_class.__name__ == "EngineReplica"
+
+
+def test_only_gateway_pods_hold_the_tenancy_and_redis_secrets(rendered: dict[str, list[Manifest]]) -> None:
+    """An engine never talks to Redis nor hashes a key: a compromised engine pod must hold neither
+    the API-key HMAC secret nor Redis's password (nor the head, which runs no replica)."""
+    for overlay, objects in rendered.items():
+        for pod in pod_templates(objects):
+            if pod.group is None:
+                continue
+            refs = {name for c in pod.containers for name, _ in secret_refs(c)}
+            if pod.group == "gateway":
+                assert refs == {"loom-tenancy", "loom-redis"}, overlay
+                env = pod_environment(objects, "gateway")
+                assert env["LOOM_TENANCY_REDIS_PASSWORD"] and env["LOOM_TENANCY_SECRET"]
+            else:
+                assert not refs, (overlay, pod.group)
+        gateway = build_from_manifest(objects)["gateway"]
+        tenancy_args = gateway.init_args[1]  # what Ray keeps in its GCS
+        assert tenancy_args["redis_url"] == "redis://redis:6379/0"
+        assert not {"secret", "previous_secrets", "redis_password"} & set(tenancy_args)

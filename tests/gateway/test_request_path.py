@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -353,6 +354,37 @@ async def test_closing_the_stream_settles_before_close_returns(world: World) -> 
     await stream.aclose()
     assert world.pool.closed == 1
     assert world.usage() == (1, 2, 1, 1)
+    assert world.requests("CANCELLED") == 1
+
+
+async def test_a_stream_whose_output_stops_coming_ends_at_the_duration_limit(world: World) -> None:
+    """The limit holds while waiting for output, not only when output arrives; the lease is settled."""
+    world.path.settings = GatewaySettings(metrics_port=None, max_stream_duration_s=0.3)
+    world.pool.stall_after = 1  # one token, then nothing ever again
+    got: list[Delta] = []
+    started = time.monotonic()
+    with pytest.raises(GatewayError) as info:
+        async with asyncio.timeout(5):
+            async for delta in world.path.generate(world.principal(), ask(max_tokens=5)):
+                got.append(delta)
+    assert info.value.kind is ErrorKind.DEADLINE_EXCEEDED and "0.3 s" in info.value.message
+    assert len(got) == 1 and time.monotonic() - started < 2
+    assert world.usage() == (1, 2, 1, 0)  # the one token delivered is billed; nothing is left held
+    assert world.requests("DEADLINE_EXCEEDED") == 1
+    assert world.pool.closed == 1
+
+
+async def test_a_client_that_cancels_is_not_taken_for_the_duration_limit(world: World) -> None:
+    world.path.settings = GatewaySettings(metrics_port=None, max_stream_duration_s=30)
+    world.pool.stall_after = 1
+    stream = world.path.generate(world.principal(), ask(max_tokens=5))
+    await anext(stream)
+    waiting = asyncio.create_task(anext(stream))
+    await asyncio.sleep(0.05)
+    waiting.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiting
+    await stream.aclose()
     assert world.requests("CANCELLED") == 1
 
 

@@ -121,3 +121,28 @@ def test_lua_calendar_matches_python(redis_client: redis.Redis):
         first = date(expected.year + (expected.month == 12), expected.month % 12 + 1, 1)
         assert next_month == first.toordinal() - epoch
         assert month_index == expected.year * 12 + expected.month - 1
+
+
+def test_usage_past_its_retention_is_dropped_once_a_day_not_scanned_at_every_finish():
+    clock = FakeClock(datetime(2025, 3, 10, 12, tzinfo=UTC))
+    lim = limiter(clock, usage_retention_days=2)
+    tenants = [make_tenant() for _ in range(3)]
+
+    def one_request_each(tag: str) -> None:
+        for t in tenants:
+            assert lim.admit_sync(t, tag, 1, 1).granted
+            assert lim.finish_sync(t, tag, 1).recorded
+
+    one_request_each("day0")
+    clock.advance(86_400)
+    one_request_each("day1")
+    days = sorted({day for _, day in lim._usage})
+    assert len(days) == 2 and len(lim._usage) == 6
+    stale = ("planted", "2000-01-01")  # older than the retention, planted mid-day
+    lim._usage[stale].requests = 1
+    one_request_each("day1-again")
+    assert stale in lim._usage  # a finish on the same day scans nothing
+    clock.advance(3 * 86_400)  # the next day's first finish drops everything past the retention
+    one_request_each("day4")
+    assert stale not in lim._usage and days[0] not in {day for _, day in lim._usage}
+    assert sum(u.requests for u in lim._usage.values()) == 3
