@@ -238,7 +238,7 @@ class RequestPath:
             return self.catalog.route(tenant, model), None  # NOT_FOUND, worded as for any unknown model
         name, record = found
         route = self.catalog.route(tenant, record.base_model)
-        return route, LoraRequest(record.engine_id(tenant.id, name), record.path)
+        return route, LoraRequest(record.engine_id(tenant.id, name), record.path, record.digest)
 
     def _fits_by_size(self, tenant: Tenant, v: ValidRequest, route: ModelRoute) -> None:
         """Before tokenizing: a prompt whose UTF-8 size alone proves it has more tokens than the

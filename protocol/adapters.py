@@ -43,6 +43,7 @@ class LoraRequest:
 
     id: str
     path: str
+    digest: str | None = None  # of its files at registration: a replica refuses files that differ
 
 
 @dataclass(frozen=True)
@@ -166,10 +167,11 @@ def inspect_adapter(path: str | Path, config: ModelConfig, max_rank: int = MAX_R
             problems.append(f"layers.{layer}.{target} has lora_{ab} but not its pair")
     if problems:
         raise AdapterError(f"{path} does not fit this base model: " + "; ".join(problems[:8]))
-    digest = hashlib.sha256()
-    for name in (CONFIG_FILE, WEIGHTS_FILE):
-        digest.update((path / name).read_bytes())
+    digest = files_digest((path / CONFIG_FILE).read_bytes(), (path / WEIGHTS_FILE).read_bytes())
     base = cfg.get("base_model_name_or_path")
-    return AdapterInfo(
-        rank, alpha, tuple(targets), digest.hexdigest()[:16], base if isinstance(base, str) else None
-    )
+    return AdapterInfo(rank, alpha, tuple(targets), digest, base if isinstance(base, str) else None)
+
+
+def files_digest(config: bytes, weights: bytes) -> str:
+    """An adapter's identity: its config's and weights' bytes (a changed file is another adapter)."""
+    return hashlib.sha256(config + weights).hexdigest()[:16]

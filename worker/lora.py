@@ -17,7 +17,9 @@ from protocol.adapters import (
     MAX_RANK,
     WEIGHT_KEY,
     WEIGHTS_FILE,
+    AdapterError,
     check_config,
+    files_digest,
     inspect_adapter,
     read_config,
 )
@@ -33,14 +35,28 @@ class LoadedAdapter:
     weights: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]]  # (layer, target) -> (A, B)
 
 
-def load_adapter(path: str | Path, config: ModelConfig, max_rank: int = MAX_RANK) -> LoadedAdapter:
-    """Read and check an adapter's weights (on the CPU; the caller moves them into its slot)."""
-    from safetensors.torch import load_file
+def load_adapter(
+    path: str | Path, config: ModelConfig, max_rank: int = MAX_RANK, *, expected_digest: str | None = None
+) -> LoadedAdapter:
+    """Read and check an adapter's weights (on the CPU; the caller moves them into its slot).
+
+    With ``expected_digest`` (the one registered), files that differ are refused: an adapter swapped
+    in place must not be served under the old identity. The bytes hashed are the bytes loaded.
+    """
+    from safetensors.torch import load as load_bytes
 
     path = Path(path)
     inspect_adapter(path, config, max_rank)
     rank, alpha, rslora = check_config(read_config(path), path / CONFIG_FILE, max_rank)
-    tensors = load_file(str(path / WEIGHTS_FILE))
+    weights = (path / WEIGHTS_FILE).read_bytes()
+    if expected_digest is not None:
+        found = files_digest((path / CONFIG_FILE).read_bytes(), weights)
+        if found != expected_digest:
+            raise AdapterError(
+                f"{path} changed since it was registered (digest {found}, registered {expected_digest}); "
+                "register it again"
+            )
+    tensors = load_bytes(weights)
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, t in tensors.items():
         m = WEIGHT_KEY.search(key)

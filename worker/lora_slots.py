@@ -7,6 +7,11 @@ a sequence may run: a resident adapter is pinned while sequences use it; a missi
 disk on a background thread while its requests wait (they never fail for waiting); once read it takes a
 free slot, or the least recently used slot no running sequence pins. An adapter whose files cannot be
 read fails its requests with the reason.
+
+Shared by tenants, so bounded for each: a tenant's adapters may pin at most ``max_loras - 1`` slots
+(other tenants' adapters always find one; the tenant's own further adapters wait their turn); a load
+that failed is tried again after ``FAILED_RETRY_S`` (a file fixed in place is served without a
+restart), and weights read for requests that all went away are dropped after ``UNCLAIMED_S``.
 """
 
 from __future__ import annotations
@@ -27,6 +32,11 @@ from worker.scheduler import Gate
 from worker.sequence import Sequence
 
 log = logging.getLogger(__name__)
+
+# A load that failed answers its adapter's requests with its reason for this long, then is tried again.
+FAILED_RETRY_S = 30.0
+# Weights read for requests that all left (no request asked for them since) are dropped after this.
+UNCLAIMED_S = 10.0
 
 
 class LoraSlots:
@@ -54,6 +64,9 @@ class LoraSlots:
         self._lru: OrderedDict[int, None] = OrderedDict((s, None) for s in range(max_loras))  # unpinned
         self._holder: dict[str, int] = {}  # request id -> the slot it pins
         self._loads: dict[str, concurrent.futures.Future[LoadedAdapter]] = {}
+        self._asked: dict[str, float] = {}  # adapter id -> when a request last waited on its load
+        self._failed_at: dict[str, float] = {}  # adapter id -> when its load was seen failing
+        self._tenant_of_slot: list[str | None] = [None] * max_loras  # who pins it (while pinned)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="loom-lora-load")
         self.load_seconds: list[float] = []  # how long each adapter took to read, for benchmarks
         self.on_loaded: Callable[[], None] = lambda: None  # wakes an engine that waits on a load
@@ -65,6 +78,11 @@ class LoraSlots:
         if adapter is None:
             return Gate.READY
         slot = self._slot_of.get(adapter.id)
+        if slot is None or self._pins[slot] == 0:
+            # Pinning another slot: not past the tenant's share, so one tenant cannot hold them all.
+            pinned = sum(1 for s, t in enumerate(self._tenant_of_slot) if t == seq.tenant and self._pins[s])
+            if self.max_loras > 1 and pinned >= self.max_loras - 1:
+                return Gate.WAIT
         if slot is None:
             slot_or_gate = self._install(adapter)
             if isinstance(slot_or_gate, Gate):
@@ -72,6 +90,7 @@ class LoraSlots:
             slot = slot_or_gate
         if self._pins[slot] == 0:
             self._lru.pop(slot, None)
+            self._tenant_of_slot[slot] = seq.tenant
         self._pins[slot] += 1
         self._holder[seq.request_id] = slot
         return Gate.READY
@@ -83,6 +102,8 @@ class LoraSlots:
         self._pins[slot] -= 1
         if self._pins[slot] == 0:
             self._lru[slot] = None  # most recently used: evicted last
+            self._tenant_of_slot[slot] = None
+        self._drop_stale_loads(time.monotonic())
 
     def failure(self, seq: Sequence) -> str | None:
         """Why ``seq``'s adapter could not be loaded (after ``admit`` returned FAILED)."""
@@ -92,10 +113,15 @@ class LoraSlots:
         return f"adapter could not be loaded: {load.exception()}"
 
     def _install(self, adapter: LoraRequest) -> int | Gate:
+        now = time.monotonic()
+        self._drop_stale_loads(now)
+        self._asked[adapter.id] = now
         load = self._loads.get(adapter.id)
         if load is None:
-            started = time.monotonic()
-            load = self._pool.submit(load_adapter, adapter.path, self.config, self.max_rank)
+            started = now
+            load = self._pool.submit(
+                load_adapter, adapter.path, self.config, self.max_rank, expected_digest=adapter.digest
+            )
 
             def done(_f: concurrent.futures.Future[LoadedAdapter]) -> None:
                 self.load_seconds.append(time.monotonic() - started)
@@ -107,6 +133,7 @@ class LoraSlots:
         if not load.done():
             return Gate.WAIT
         if load.exception() is not None:
+            self._failed_at.setdefault(adapter.id, now)
             return Gate.FAILED
         if not self._lru:  # every slot is pinned by running sequences: wait for one to finish
             return Gate.WAIT
@@ -114,7 +141,24 @@ class LoraSlots:
         self._lru[slot] = None  # admit() takes it off again as it pins
         self._put(slot, adapter.id, load.result())
         del self._loads[adapter.id]  # read once; the resident copy is the one that counts now
+        self._asked.pop(adapter.id, None)
         return slot
+
+    def _drop_stale_loads(self, now: float) -> None:
+        """Forget failed loads past their retry delay, and weights no waiting request asked for lately
+        (their requests were cancelled): neither may hold memory, or a verdict, for good."""
+        for adapter_id, load in list(self._loads.items()):
+            if not load.done():
+                continue
+            if load.exception() is not None:
+                failed = self._failed_at.get(adapter_id)
+                if failed is not None and now - failed >= FAILED_RETRY_S:
+                    del self._loads[adapter_id], self._failed_at[adapter_id]
+                    self._asked.pop(adapter_id, None)
+            elif now - self._asked.get(adapter_id, now) >= UNCLAIMED_S:
+                del self._loads[adapter_id]
+                self._asked.pop(adapter_id, None)
+                log.info("adapter %s was read for requests that left; its weights are dropped", adapter_id)
 
     def _put(self, slot: int, adapter_id: str, loaded: LoadedAdapter) -> None:
         old = self._resident[slot]
