@@ -32,7 +32,7 @@ from worker.engine_counters import EngineCounters
 from worker.kv_cache import KVCache, blocks_for_budget
 from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
-from worker.model_runner import ModelRunner
+from worker.model_runner import ModelRunner, StepOutput
 from worker.output_processor import OutputProcessor
 from worker.scheduler import ScheduledBatch, SchedulerConfig, scheduler_class
 from worker.sequence import Sequence
@@ -85,6 +85,8 @@ class LLMEngine:
         self.wakeup = threading.Event()
         self._stalled = False
         self._observers: list[StepObserver] = []
+        self._failed_run = 0  # steps in a row in which no row could run
+        self._failed_run_tenants: set[str] = set()  # whose rows failed in them
         if self.lora is not None:
             self.lora.on_loaded = self.wakeup.set
         self._weight_bytes = self.model.weight_bytes()
@@ -149,28 +151,77 @@ class LLMEngine:
             return rejected
         t0 = time.monotonic()
         try:
-            result = self.runner.execute(batch)
-        except Exception as exc:  # a failed forward fails its requests, never the engine
-            log.exception("forward step failed; failing the %d requests in it", len(batch.seqs))
-            self.counters.consecutive_failed_steps += 1
-            error = f"{type(exc).__name__}: {exc}"
-            return rejected + [self._end(seq, FinishReason.ERROR, error) for seq in batch.seqs if seq.is_live]
+            parts: list[tuple[ScheduledBatch, StepOutput]] = [(batch, self.runner.execute(batch))]
+            culprits: list[tuple[Sequence, str]] = []
+        except Exception:  # a failed forward fails the requests that cause it, never the engine
+            log.exception(
+                "forward step of %d requests failed; finding the ones that fail it", len(batch.seqs)
+            )
+            parts, culprits = self._split(batch)
+        ended = [self._end(seq, FinishReason.ERROR, error) for seq, error in culprits if seq.is_live]
+        if not parts:
+            self._count_failed_step({seq.tenant for seq, _ in culprits})
+            return rejected + ended
+        self._failed_run, self._failed_run_tenants = 0, set()
         self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
-        # A row that got no token (non-finite logits, a sampling error) fails its own request only.
-        failed = [
-            self._end(seq, FinishReason.ERROR, f"{reason}; it was stopped (others were not)")
-            for seq, reason in result.failed
-            if seq.is_live
-        ]
-        updates = self.scheduler.update_from_output(batch, result.sampled)
-        emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
-        self.counters.generated_tokens += len(updates)
-        self.counters.finished += sum(1 for o in emitted if o.finished)
+        forward_s = 0.0
+        for part, result in parts:
+            forward_s += result.forward_s
+            # A row that got no token (non-finite logits, a sampling error) fails its own request only.
+            ended += [
+                self._end(seq, FinishReason.ERROR, f"{reason}; it was stopped (others were not)")
+                for seq, reason in result.failed
+                if seq.is_live
+            ]
+            updates = self.scheduler.update_from_output(part, result.sampled)
+            emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
+            self.counters.generated_tokens += len(updates)
+            self.counters.finished += sum(1 for o in emitted if o.finished)
+            ended += emitted
         if self._observers:
-            trace = StepTrace(rows, scheduled - started, result.forward_s, time.perf_counter() - started)
+            trace = StepTrace(rows, scheduled - started, forward_s, time.perf_counter() - started)
             for observe in self._observers:
                 observe(trace)
-        return rejected + failed + emitted
+        return rejected + ended
+
+    def _count_failed_step(self, tenants: set[str]) -> None:
+        """A step in which no row could run. It counts toward the replica's health (consecutive failed
+        steps, which make it unhealthy) only once the failing rows of this run of failed steps belong
+        to two tenants or more: requests of one tenant failing however often are that tenant's
+        failure, and must not get a replica replaced under everyone else."""
+        self._failed_run += 1
+        self._failed_run_tenants |= tenants
+        if len(self._failed_run_tenants) > 1:
+            self.counters.consecutive_failed_steps = self._failed_run
+
+    def _split(
+        self, batch: ScheduledBatch
+    ) -> tuple[list[tuple[ScheduledBatch, StepOutput]], list[tuple[Sequence, str]]]:
+        """A failed step, run again in halves (each half again, while it fails) until the rows that
+        fail alone are found: the parts that ran with their results, and each culprit with its error.
+
+        Re-running is safe: the scheduler's state moves only when a result is applied, and a row's K/V
+        is written to the same slots with the same values. The innocent rows lose nothing but time.
+        """
+        if len(batch.seqs) == 1:
+            try:
+                return [(batch, self.runner.execute(batch))], []
+            except Exception as exc:
+                return [], [(batch.seqs[0], f"{type(exc).__name__}: {exc}; it was stopped (others were not)")]
+        mid = len(batch.seqs) // 2
+        parts: list[tuple[ScheduledBatch, StepOutput]] = []
+        culprits: list[tuple[Sequence, str]] = []
+        for half in (
+            ScheduledBatch(batch.seqs[:mid], batch.num_tokens[:mid]),
+            ScheduledBatch(batch.seqs[mid:], batch.num_tokens[mid:]),
+        ):
+            try:
+                parts.append((half, self.runner.execute(half)))
+            except Exception:
+                more, bad = self._split(half)
+                parts += more
+                culprits += bad
+        return parts, culprits
 
     def add_step_observer(self, observer: StepObserver) -> Callable[[], None]:
         """Call ``observer`` with a :class:`StepTrace` after every step that ran a batch to its end;

@@ -27,8 +27,8 @@ def engine(tiny: Checkpoint) -> LLMEngine:
     return LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256), tiny)
 
 
-def _req(rid: str, text: str, **sampling: Any) -> GenerationRequest:
-    return GenerationRequest(rid, list(text.encode()), SamplingParams(**sampling))
+def _req(rid: str, text: str, tenant: str = "default", **sampling: Any) -> GenerationRequest:
+    return GenerationRequest(rid, list(text.encode()), SamplingParams(**sampling), tenant=tenant)
 
 
 def test_a_vanishing_temperature_samples_greedily(engine: LLMEngine) -> None:
@@ -77,10 +77,14 @@ def test_failing_forward_passes_are_counted_until_one_succeeds(
 
     real_forward = engine.model.forward
     monkeypatch.setattr(engine.model, "forward", broken)
-    for i in range(3):
-        out = engine.run_to_completion([_req(f"f{i}", "x", max_tokens=4)])
+    for i in range(3):  # one tenant's requests failing, however often, are that tenant's failure
+        out = engine.run_to_completion([_req(f"one{i}", "x", tenant="hostile", max_tokens=4)])
+        assert out[f"one{i}"].finish_reason is FinishReason.ERROR
+    assert engine.stats().consecutive_failed_steps == 0
+    for i in range(3):  # a second tenant's fail as well: the replica's failure, every step counted
+        out = engine.run_to_completion([_req(f"f{i}", "x", tenant=f"t{i}", max_tokens=4)])
         assert out[f"f{i}"].finish_reason is FinishReason.ERROR
-    assert engine.stats().consecutive_failed_steps == 3
+    assert engine.stats().consecutive_failed_steps == 6
     monkeypatch.setattr(engine.model, "forward", real_forward)
     engine.run_to_completion([_req("ok", "x", max_tokens=4)])
     assert engine.stats().consecutive_failed_steps == 0
@@ -104,16 +108,58 @@ async def test_a_replica_whose_steps_keep_failing_reports_unhealthy(
 
         monkeypatch.setattr(core.model, "forward", broken)
         for i in range(UNHEALTHY_AFTER_FAILED_STEPS):
-            outs = await _through_replica(replica, _req(f"r{i}", "x", max_tokens=2))
+            outs = await _through_replica(replica, _req(f"r{i}", "x", tenant=f"t{i}", max_tokens=2))
             assert outs[-1].finish_reason is FinishReason.ERROR
             # The engine thread publishes its stats just after delivering the step's outputs.
-            await eventually(lambda n=i + 1: replica.engine.stats().consecutive_failed_steps == n)
+            await eventually(lambda n=i + 1: replica.engine.stats().consecutive_failed_steps == (n > 1) * n)
             if i < UNHEALTHY_AFTER_FAILED_STEPS - 1:
                 replica.check_health()  # a failure or two may be a request's fault
         with pytest.raises(Exception, match="forward passes failed"):
             replica.check_health()
     finally:
         replica.engine.shutdown()
+
+
+def test_a_failing_step_is_split_to_find_its_culprit_and_the_others_go_on(
+    engine: LLMEngine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A forward that raises because of one row (any cause the sampler cannot catch) is run again in
+    halves until that row is found: it ends alone, every other row continues token for token as if
+    nothing had happened, and the replica's health is untouched."""
+    others = [
+        _req(f"o{i}", f"tenant {i} text", tenant=f"t{i}", max_tokens=12, ignore_eos=True) for i in range(5)
+    ]
+    alone = engine.run_to_completion(others)
+    real_forward = engine.model.forward
+    poison = list(b"poison!")
+
+    def fails_with_the_poison(fb: Any, *args: Any, **kwargs: Any) -> Any:
+        if any(seq.request_id == "bad" for seq in fails_with_the_poison.seqs):
+            raise RuntimeError("a kernel assertion")
+        return real_forward(fb, *args, **kwargs)
+
+    fails_with_the_poison.seqs = []  # type: ignore[attr-defined]
+    real_execute = engine.runner.execute
+
+    def execute(batch: Any) -> Any:
+        fails_with_the_poison.seqs = batch.seqs  # type: ignore[attr-defined]
+        return real_execute(batch)
+
+    monkeypatch.setattr(engine.model, "forward", fails_with_the_poison)
+    monkeypatch.setattr(engine.runner, "execute", execute)
+    again = [
+        _req(f"o{i}", f"tenant {i} text", tenant=f"t{i}", max_tokens=12, ignore_eos=True) for i in range(5)
+    ]
+    hostile = GenerationRequest("bad", poison, SamplingParams(max_tokens=12), tenant="hostile")
+    together = engine.run_to_completion([*again[:3], hostile, *again[3:]])
+    assert together["bad"].finish_reason is FinishReason.ERROR
+    assert "a kernel assertion" in (together["bad"].error or "")
+    for r in again:
+        assert together[r.request_id].finish_reason is FinishReason.LENGTH
+        assert together[r.request_id].token_ids == alone[r.request_id].token_ids
+    assert engine.stats().consecutive_failed_steps == 0
+    engine.block_manager.check_consistency()
+    assert engine.block_manager.num_used_blocks == 0
 
 
 def test_greedy_rows_take_the_first_maximum_and_skip_non_finite_rows() -> None:
