@@ -39,6 +39,7 @@ class GatewayError(Exception):
     retry_after_s: float | None = None  # RESOURCE_EXHAUSTED: the wait that can help (None: none can)
     limit: str | None = None  # which quota refused the request
     violations: Sequence[Violation] = field(default_factory=tuple)  # (field, description)
+    http_status: int | None = None  # where HTTP has a more precise status than the kind's
 
     def __str__(self) -> str:
         return f"{self.kind.name}: {self.message}"

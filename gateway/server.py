@@ -17,6 +17,7 @@ from grpc_health.v1 import health
 from gateway.catalog import ModelCatalog
 from gateway.grpc.server import build_server, set_health
 from gateway.http.server import HttpFront
+from gateway.loop_lag import watch_loop_lag
 from gateway.metrics import ENGINE, ReplicaRow, start_metrics_server
 from gateway.request_path import RequestPath
 from gateway.settings import GatewaySettings
@@ -38,6 +39,7 @@ class GatewayServer:
         self._metrics_server: Any = None
         self.tls: CertificateReloader | None = None
         self._tls_watch: asyncio.Task[None] | None = None
+        self._lag_watch: asyncio.Task[None] | None = None
         self.http = HttpFront(
             self.path, settings, serving=lambda: self._server is not None and not self.path.draining
         )
@@ -88,6 +90,7 @@ class GatewayServer:
             await set_health(self._health, serving=True)
             if self.tls is not None and s.tls_reload_interval_s > 0:
                 self._tls_watch = asyncio.create_task(self._watch_tls(s.tls_reload_interval_s))
+            self._lag_watch = asyncio.create_task(watch_loop_lag())
         except BaseException:
             await server.stop(0)
             self._server = None
@@ -135,8 +138,9 @@ class GatewayServer:
         self._server = None
         for route in self.catalog.routes:  # their background streams, while their transport is up
             await route.pool.close()
-        if self._tls_watch is not None:
-            self._tls_watch.cancel()
-            self._tls_watch = None
+        for task in (self._tls_watch, self._lag_watch):
+            if task is not None:
+                task.cancel()
+        self._tls_watch = self._lag_watch = None
         ENGINE.remove_source(id(self))
         self._stop_metrics()

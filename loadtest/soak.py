@@ -27,6 +27,7 @@ import argparse
 import asyncio
 import json
 import logging
+import math
 import os
 import random
 import signal
@@ -45,7 +46,14 @@ from gateway.grpc.client import LoomClient
 from loadtest.machine import cpu_line
 from loadtest.markdown import render
 from loadtest.soak_fuzz import Target, fuzz
-from loadtest.soak_server import SECRET, ServedLoom, replica_gauges, rss_mb
+from loadtest.soak_server import (
+    SECRET,
+    ServedLoom,
+    histogram_quantile,
+    loop_lag_buckets,
+    replica_gauges,
+    rss_mb,
+)
 from loadtest.soak_streams import (
     GreedyReference,
     Outputs,
@@ -77,6 +85,7 @@ class TenantPlan:
     fields: dict[str, Any]
 
 
+TENANT_QUOTAS_LIMITED = {"max_concurrent": 2, "requests_per_minute": 120}
 TENANTS = (
     TenantPlan(
         "soak-chat", 0.3, {"priority_ceiling": "interactive", "default_priority": "interactive", "weight": 2}
@@ -84,7 +93,7 @@ TENANTS = (
     TenantPlan("soak-standard", 0.3, {}),
     TenantPlan("soak-batch", 0.3, {"priority_ceiling": "batch", "default_priority": "batch"}),
     # Tight quotas: its refusals (RESOURCE_EXHAUSTED / 429) are part of the mix.
-    TenantPlan("soak-limited", 0.1, {"quotas": {"max_concurrent": 2, "requests_per_minute": 120}}),
+    TenantPlan("soak-limited", 0.1, {"quotas": TENANT_QUOTAS_LIMITED}),
 )
 
 
@@ -597,34 +606,130 @@ def write(report: dict[str, Any], out_dir: Path, name: str = "soak") -> None:
 # ---- fuzz --------------------------------------------------------------------------------------------
 
 
+# What a fuzz run must hold, beyond each answer's own rules (loadtest/soak_fuzz.py).
+FUZZ_RSS_GROWTH_MB = 100.0
+FUZZ_LOOP_LAG_P99_S = 0.05
+FUZZ_PATIENCE_S = 2.0  # the served gateway's header and body deadlines: half-sent requests end fast
+VICTIM_PROMPT = "the loom weaves"
+
+
 async def run_fuzz(cfg: SoakConfig, n: int, say: Any) -> dict[str, Any]:
+    """``n`` fuzz cases, with a victim tenant streaming the same greedy request throughout: it must
+    get the same tokens every time. Measured around the run: the gateway's resident memory, its
+    event loop's lag (p99), the engine replicas (none may be replaced) and the tight-quota tenant's
+    admitted requests (never more than its rate allows)."""
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)  # type: ignore[union-attr]
     served: ServedLoom | None = None
     if cfg.address is None:
-        served = ServedLoom.create(1, _engine_env())
+        patience = {
+            "LOOM_GATEWAY_HTTP_HEADER_TIMEOUT_S": str(FUZZ_PATIENCE_S),
+            "LOOM_GATEWAY_HTTP_BODY_TIMEOUT_S": str(FUZZ_PATIENCE_S),
+        }
+        served = ServedLoom.create(1, _engine_env() | patience)
         say(f"starting loom serve in {served.workdir} ...")
         await served.start()
         keys, _ = create_tenants(served.redis_url)
-        key = keys["soak-standard"]
-        target = Target(served.grpc_address, served.http_address, key, cfg.model)
+        target = Target(
+            served.grpc_address,
+            served.http_address,
+            keys["soak-standard"],
+            cfg.model,
+            keys["soak-limited"],
+            FUZZ_PATIENCE_S,
+        )
+        victim_key = keys["soak-chat"]
     else:
         if not cfg.api_keys:
             raise SystemExit("loom soak --fuzz --address needs --api-key")
         target = Target(cfg.address, cfg.http_address, cfg.api_keys[0], cfg.model)
+        victim_key = cfg.api_keys[-1]
     try:
-        async with LoomClient(target.grpc_address, target.api_key) as client:
+        async with (
+            LoomClient(target.grpc_address, target.api_key) as client,
+            LoomClient(target.grpc_address, victim_key) as victim,
+        ):
             await _ready(client, cfg.model)
-            say(f"sending {n} fuzz cases ...")
-            report = await fuzz(target, n, seed=cfg.seed, progress=lambda k: say(f"  {k} cases"))
+            await _ready(victim, cfg.model, tenant="victim")
+            reference = await grpc_stream(victim, Received("victim", VICTIM_PROMPT, 24, model=cfg.model))
+            before = _server_state(served)
+            started = time.monotonic()
+            say(f"sending {n} fuzz cases, a victim stream beside them ...")
+            fuzzing = asyncio.ensure_future(
+                fuzz(target, n, seed=cfg.seed, progress=lambda k: say(f"  {k} cases"))
+            )
+            victim_runs = await _victim_streams(victim, cfg.model, reference, fuzzing)
+            report = await fuzzing
+            minutes = (time.monotonic() - started) / 60
+            after = _server_state(served)
             healthy = await _healthy(client, cfg.model)
-        out = report.to_dict() | {"healthy_after": healthy}
-        out["verdict"] = "pass" if healthy and not report.problem_count else "FAIL"
+        out = report.to_dict() | {"healthy_after": healthy} | victim_runs
+        checks = _fuzz_checks(before, after, served, minutes)
+        out |= checks
+        failed = [k for k, v in checks.items() if k.endswith("_ok") and v is False]
+        ok = healthy and not report.problem_count and not victim_runs["victim_altered"] and not failed
+        out["verdict"] = "pass" if ok else "FAIL"
         return out
     finally:
         if served is not None:
             out_code = await served.stop()
             say(f"server exited with status {out_code}")
             served.remove()
+
+
+async def _victim_streams(
+    victim: LoomClient, model: str, reference: Received, fuzzing: asyncio.Future[Any]
+) -> dict[str, Any]:
+    """Stream the victim's greedy request again and again until the fuzzing ends; count the runs that
+    failed or whose tokens differ from the reference run's."""
+    runs = altered = 0
+    while not fuzzing.done():
+        r = await grpc_stream(victim, Received("victim", VICTIM_PROMPT, 24, model=model), timeout_s=60)
+        runs += 1
+        altered += r.code != "OK" or r.token_ids != reference.token_ids
+    return {"victim_streams": runs, "victim_altered": altered}
+
+
+def _server_state(served: ServedLoom | None) -> dict[str, Any]:
+    """What the run-level checks compare: RSS, the loop-lag histogram, the replicas."""
+    if served is None or not served.metrics_url:
+        return {}
+    return {
+        "rss_mb": rss_mb(served.pid),
+        "lag": loop_lag_buckets(served.metrics_url),
+        "replicas": sorted(replica_gauges(served.metrics_url)),
+    }
+
+
+def _fuzz_checks(
+    before: dict[str, Any], after: dict[str, Any], served: ServedLoom | None, minutes: float
+) -> dict[str, Any]:
+    if not before or not after or served is None:
+        return {}
+    growth = (after["rss_mb"] or 0.0) - (before["rss_mb"] or 0.0)
+    p99 = histogram_quantile(0.99, before["lag"], after["lag"])
+    limited = TENANT_QUOTAS_LIMITED
+    admitted = usage_requests(served.redis_url, "soak-limited")
+    allowed = math.ceil(limited["requests_per_minute"] * (1 + minutes))  # a full bucket, then its refill
+    return {
+        "gateway_rss_growth_mb": round(growth, 1),
+        "gateway_rss_ok": growth < FUZZ_RSS_GROWTH_MB,
+        "event_loop_lag_p99_s": p99,
+        "event_loop_lag_ok": p99 is not None and p99 <= FUZZ_LOOP_LAG_P99_S,
+        "limited_admitted": admitted,
+        "limited_allowed": allowed,
+        "quota_ok": admitted <= allowed,
+        "replica_restarts": len(set(after["replicas"]) - set(before["replicas"])),
+        "replicas_ok": after["replicas"] == before["replicas"],
+    }
+
+
+def usage_requests(redis_url: str, tenant_id: str) -> int:
+    """Requests the tenant was admitted (metered) today and yesterday, as Redis recorded them."""
+    store = RedisTenantStore.from_settings(TenancySettings(store="redis", redis_url=redis_url, secret=SECRET))
+    try:
+        return sum(day.requests for day in store.usage(tenant_id, 2))
+    finally:
+        store.close()
 
 
 async def _healthy(client: LoomClient, model: str) -> bool:

@@ -31,11 +31,12 @@ import grpc
 import httpx
 
 from gateway.grpc.stubs import pb
+from protocol.limits import LIMITS
 
 GENERATE = "/loom.v1.Inference/Generate"
 
-GRPC_KINDS = ("grpc_fields", "grpc_bytes", "grpc_metadata", "grpc_key")
-HTTP_KINDS = ("http_body", "http_bytes", "http_key")
+GRPC_KINDS = ("grpc_fields", "grpc_bytes", "grpc_metadata", "grpc_key", "grpc_lists")
+HTTP_KINDS = ("http_body", "http_bytes", "http_key", "http_lists", "http_slow", "http_flood")
 
 # Refusals a client may get for something it sent; anything else is the server's fault (or, for
 # UNAVAILABLE and DEADLINE_EXCEEDED in a fuzz run, a sign that the server stopped answering).
@@ -50,7 +51,7 @@ GRPC_CODES = frozenset(
         "ALREADY_EXISTS",
     }
 )
-HTTP_CODES = frozenset({200, 400, 401, 403, 404, 405, 409, 413, 429, 431})
+HTTP_CODES = frozenset({200, 400, 401, 403, 404, 405, 408, 409, 413, 429, 431})
 # What only an implementation shows: class names, tracebacks, reprs, internal module names.
 _INTERNALS = re.compile(
     r"Traceback|File \"|<class |object at 0x|\b\w+(?:Error|Exception)\b|NoneType|pydantic|cygrpc|grpc\._|"
@@ -60,12 +61,16 @@ _INTERNALS = re.compile(
 
 @dataclass(frozen=True)
 class Target:
-    """A served Loom to fuzz: its gRPC address, its HTTP front (if any), a working key, a model."""
+    """A served Loom to fuzz: its gRPC address, its HTTP front (if any), a working key, a model; the
+    key of a tenant with tight quotas (floods are sent with it), and how long the HTTP front waits for
+    a request's headers or body before it gives up on a slow client."""
 
     grpc_address: str
     http_address: str | None
     api_key: str
     model: str
+    limited_key: str | None = None
+    http_patience_s: float = 10.0
 
 
 @dataclass(frozen=True)
@@ -77,6 +82,7 @@ class Case:
     path: str = ""  # HTTP only
     must_refuse: bool = False  # a near-miss key: serving it would let the wrong caller in
     note: str = ""  # what the case does, for reports
+    copies: int = 1  # a flood: this many sent at once
 
     @property
     def front(self) -> str:
@@ -151,8 +157,14 @@ def number(rng: random.Random) -> float:
         [
             0.0,
             -0.0,
+            5e-324,  # the smallest subnormal double
+            -5e-324,
+            2.2250738585072014e-308,  # the smallest normal double
+            7e-46,  # 0 once cast to float32: a top_p that used to mask every token
+            1e-40,  # a float32 subnormal
             1e-45,
             1e-6,
+            1e308,
             0.5,
             1.0,
             1.5,
@@ -356,6 +368,9 @@ def grpc_case(rng: random.Random, target: Target, kind: str) -> Case:
             must_refuse=must_refuse,
             note="near-miss key",
         )
+    if kind == "grpc_lists":
+        body, note = grpc_list_body(rng, target.model)
+        return Case(kind, body, (auth,), note=note)
     # grpc_metadata: oversized or odd metadata around a valid request
     pick = rng.randrange(5)
     body = _ok_body(rng, target.model)
@@ -377,6 +392,90 @@ def grpc_case(rng: random.Random, target: Target, kind: str) -> Case:
         return Case(kind, body, (("authorization", key),), must_refuse=True, note=f"a {size}-byte key")
     other = ("authorization", f"Bearer {near_miss_key(rng, target.api_key)[0]}")
     return Case(kind, body, (auth, other), note="two authorization entries")
+
+
+# ---- every list at its limit and far beyond ------------------------------------------------------
+
+
+def list_length(rng: random.Random, limit: int) -> int:
+    """A list's length around and far past its limit (the work a server does per item is the risk)."""
+    return rng.choice([0, 1, limit, limit + 1, 4 * limit, 20_000, 100_000])
+
+
+def grpc_list_body(rng: random.Random, model: str) -> tuple[bytes, str]:
+    r = pb.GenerateRequest(model=model, max_tokens=1)
+    if rng.random() < 0.5:
+        n = list_length(rng, LIMITS.max_messages)
+        role = rng.choice(["user", "robot", ""])
+        r.messages.extend(pb.ChatMessage(role=role, content=rng.choice(["hi", ""])) for _ in range(n))
+        return r.SerializeToString(), f"{n} messages"
+    n = list_length(rng, LIMITS.max_stop_strings)
+    r.prompt = "hi"
+    r.stop.extend(rng.choice(["x", "", "y" * 300]) for _ in range(n))
+    return r.SerializeToString(), f"{n} stop strings"
+
+
+def http_list_body(rng: random.Random, model: str) -> tuple[dict[str, Any], str, bool]:
+    """A body with one list (or object) field at an extreme length; (body, note, chat)."""
+    item: Any = rng.choice([{}, 1, "x", None, [], {"type": "text", "text": "x"}])
+    where = rng.choice(["prompt", "stop", "messages", "content", "tools", "logit_bias"])
+    limit = {"stop": LIMITS.max_stop_strings, "messages": LIMITS.max_messages}.get(where, 256)
+    n = list_length(rng, limit)
+    user = {"role": "user", "content": "hi"}
+    if where == "prompt":
+        return {"model": model, "max_tokens": 1, "prompt": [item] * n}, f"prompt of {n} items", False
+    if where == "stop":
+        stop = [rng.choice(["x", item])] * n
+        return {"model": model, "max_tokens": 1, "prompt": "hi", "stop": stop}, f"{n} stop items", False
+    body: dict[str, Any] = {"model": model, "max_tokens": 1, "messages": [user]}
+    if where == "messages":
+        body["messages"] = [rng.choice([user, item])] * n
+    elif where == "content":
+        body["messages"] = [{"role": "user", "content": [item] * n}]
+    elif where == "tools":
+        body["tools"] = [{"type": "function", "function": {"name": "f"}}] * n
+    else:
+        body["logit_bias"] = {str(i): 1 for i in range(n)}
+    return body, f"{n} {where}", True
+
+
+# ---- slow and half-sent connections ----------------------------------------------------------------
+
+
+def slow_request(rng: random.Random, target: Target) -> tuple[bytes, str]:
+    """The bytes a client sends before it goes quiet (or drips), and what it does: the server must
+    answer 408 or close the connection within its patience, never hold it open."""
+    body = json.dumps({"model": target.model, "prompt": "hi", "max_tokens": 1}).encode()
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: loom\r\ncontent-type: application/json\r\n"
+        + f"authorization: Bearer {target.api_key}\r\n".encode()
+    )
+    pick = rng.randrange(5)
+    if pick == 0:
+        return b"", "connects, sends nothing"
+    if pick == 1:
+        return b"POST /v1/completions HT", "half a request line"
+    if pick == 2:
+        return head, "headers never finished"
+    if pick == 3:
+        declared = len(body) + rng.choice([1, 100, 10_000])
+        return head + f"content-length: {declared}\r\n\r\n".encode() + body, "body shorter than declared"
+    return head + b"x-drip: " + b"a" * 64, "headers dripped a byte at a time"
+
+
+# ---- pre-admission floods ----------------------------------------------------------------------------
+
+FLOOD_SIZES = (2_000, 20_000, 200_000, 1_000_000)  # prompt bytes
+
+
+def flood_bodies(rng: random.Random, model: str) -> tuple[list[bytes], str]:
+    """Concurrent requests of one tenant (the tight-quota one), large prompts: the server must refuse
+    beyond the tenant's bounds at once, before tokenizing, and never fail."""
+    count = rng.choice([4, 8, 16])
+    size = rng.choice(FLOOD_SIZES)
+    prompt = ("weave the loom " * (size // 15 + 1))[:size]
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": 1}).encode()
+    return [body] * count, f"{count} concurrent {size}-byte prompts"
 
 
 # ---- HTTP cases ----------------------------------------------------------------------------------
@@ -516,6 +615,24 @@ def http_case(rng: random.Random, target: Target, kind: str) -> Case:
     if kind == "http_body":
         body = http_body(rng, target.model, chat)
         return Case(kind, _json_bytes(rng, body), (auth, json_type), path=path, note="random fields")
+    if kind == "http_lists":
+        body, note, chat = http_list_body(rng, target.model)
+        path = "/v1/chat/completions" if chat else "/v1/completions"
+        return Case(kind, _json_bytes(rng, body), (auth, json_type), path=path, note=note)
+    if kind == "http_slow":
+        raw, note = slow_request(rng, target)
+        return Case(kind, raw, path="/v1/completions", note=note)
+    if kind == "http_flood":
+        bodies, note = flood_bodies(rng, target.model)
+        key = target.limited_key or target.api_key
+        return Case(
+            kind,
+            bodies[0],
+            (("authorization", f"Bearer {key}"), json_type),
+            path=path,
+            note=note,
+            copies=len(bodies),
+        )
     if kind == "http_bytes":
         raw, note = http_raw(rng, target.model)
         content_type = rng.choice(["application/json", "text/plain", "application/x-www-form-urlencoded", ""])
@@ -575,7 +692,54 @@ class Sender:
             await self.http.aclose()
 
     async def send(self, case: Case) -> Outcome:
+        if case.kind == "http_slow":
+            return await self._slow(case)
+        if case.kind == "http_flood":
+            return await self._flood(case)
         return await (self._grpc(case) if case.front == "grpc" else self._http(case))
+
+    async def _slow(self, case: Case) -> Outcome:
+        """Send the case's bytes (a drip: one byte at a time), go quiet, and see what the server does
+        within its patience (plus a margin): a 408, or a closed connection."""
+        assert self.target.http_address is not None, "the target has no HTTP front"
+        host, port = self.target.http_address.rsplit(":", 1)
+        limit = self.target.http_patience_s * 2 + 2
+        reader, writer = await asyncio.open_connection(host, int(port))
+
+        async def drip() -> None:
+            for i in range(len(case.body)):
+                writer.write(case.body[i : i + 1])
+                await asyncio.sleep(0.25)
+
+        if "drip" in case.note:
+            sending = asyncio.ensure_future(drip())
+        else:
+            writer.write(case.body)
+            sending = asyncio.ensure_future(asyncio.sleep(0))
+        try:
+            async with asyncio.timeout(limit):
+                answer = await reader.read(-1)  # until the server closes
+        except TimeoutError:
+            return Outcome(case, "held open", f"no answer and not closed within {limit:g} s")
+        except (ConnectionError, OSError):
+            return Outcome(case, "closed")
+        finally:
+            sending.cancel()
+            writer.close()
+        status = answer.split(b" ", 2)[1].decode() if answer.startswith(b"HTTP/1.1 ") else ""
+        return Outcome(
+            case, f"HTTP {status}" if status.isdigit() else "closed", answer[-200:].decode("latin-1")
+        )
+
+    async def _flood(self, case: Case) -> Outcome:
+        """The case's request ``copies`` times at once; the answer is the first bad code, if any."""
+        flood = [Case("http_body", case.body, case.headers, path=case.path) for _ in range(case.copies)]
+        outcomes = await asyncio.gather(*(self._http(c) for c in flood))
+        codes = Counter(o.code for o in outcomes)
+        bad = [o for o in outcomes if problems(o)]
+        if bad:
+            return Outcome(case, bad[0].code, bad[0].message)
+        return Outcome(case, "flood ok", " ".join(f"{c}x{n}" for c, n in sorted(codes.items())))
 
     async def _grpc(self, case: Case) -> Outcome:
         streamed = 0
@@ -640,6 +804,14 @@ def problems(outcome: Outcome) -> list[str]:
         found.append(f"gRPC {outcome.code}")
     if outcome.message.startswith("Stream removed (received metadata size exceeds"):
         found.append("the answer's trailers were too large for the client")  # grpc's client-side limit
+    if case.kind == "http_slow":  # a 408, or closed: anything but held open (or a 5xx)
+        if not (outcome.code in ("closed", "HTTP 408", "HTTP 400") or outcome.code.startswith("HTTP 4")):
+            found.append(f"a half-sent request was {outcome.code} ({case.note})")
+        return found
+    if case.kind == "http_flood":
+        if outcome.code != "flood ok":
+            found.append(f"a flood got {outcome.code}: {outcome.message[:200]}")
+        return found
     if case.front == "http" and outcome.code != "client-refused":
         status = outcome.code.removeprefix("HTTP ")
         if not (status.isdigit() and int(status) in HTTP_CODES):

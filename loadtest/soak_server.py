@@ -173,6 +173,33 @@ def replica_gauges(metrics_url: str) -> dict[str, ReplicaGauges]:
     return out
 
 
+def loop_lag_buckets(metrics_url: str) -> dict[float, float]:
+    """The gateway's event-loop lag histogram (gateway/loop_lag.py): upper bound -> cumulative count."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    out: dict[float, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m is None or m.group("name") != "loom:gateway_event_loop_lag_seconds_bucket":
+            continue
+        le = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))["le"]
+        out[float(le)] = float(m.group("value"))
+    return out
+
+
+def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """The ``q`` quantile of what a histogram observed between two scrapes, as the upper bound of the
+    bucket it falls in (None: nothing observed)."""
+    counts = sorted((le, after.get(le, 0.0) - before.get(le, 0.0)) for le in after)
+    total = counts[-1][1] if counts else 0.0
+    if total <= 0:
+        return None
+    for le, cumulative in counts:
+        if cumulative >= q * total:
+            return le
+    return counts[-1][0]
+
+
 # ---- loom serve ------------------------------------------------------------------------------------
 
 

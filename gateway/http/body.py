@@ -32,7 +32,7 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
     given up (DEADLINE_EXCEEDED) if it has not all arrived within ``timeout_s``."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > MAX_BODY_BYTES:
-        raise invalid_argument([("body", f"is {declared} bytes; the limit is {MAX_BODY_BYTES}")])
+        raise _too_large(f"is {declared} bytes; the limit is {MAX_BODY_BYTES}")
     chunks: list[bytes] = []
     size = 0
     try:
@@ -40,15 +40,24 @@ async def read_body(request: Request, timeout_s: float) -> bytes:
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > MAX_BODY_BYTES:
-                    raise invalid_argument([("body", f"is over the limit of {MAX_BODY_BYTES} bytes")])
+                    raise _too_large(f"is over the limit of {MAX_BODY_BYTES} bytes")
                 chunks.append(chunk)
     except ClientDisconnect:  # the client left while sending its body: not a server error
         raise GatewayError(ErrorKind.CANCELLED, "the client went away") from None
-    except TimeoutError:
+    except TimeoutError:  # HTTP says it precisely: 408, the client was too slow to send its request
         raise GatewayError(
-            ErrorKind.DEADLINE_EXCEEDED, f"the request body did not arrive within {timeout_s:g} s"
+            ErrorKind.DEADLINE_EXCEEDED,
+            f"the request body did not arrive within {timeout_s:g} s",
+            http_status=408,
         ) from None
     return b"".join(chunks)
+
+
+def _too_large(why: str) -> GatewayError:
+    """413: the rest of the body is never read (the connection closes after the answer)."""
+    err = invalid_argument([("body", why)])
+    err.http_status = 413
+    return err
 
 
 async def decode(model: type[Body], raw: bytes) -> Body:

@@ -44,9 +44,14 @@ def error_body(err: GatewayError) -> dict[str, Any]:
     return ErrorResponse.model_validate(body).model_dump()
 
 
+# Statuses sent while the client may still owe part of its body: the connection is closed after the
+# answer, or a client that never sends the rest would keep it open for good.
+CLOSES_CONNECTION = frozenset({408, 413})
+
+
 def error_response(err: GatewayError) -> JSONResponse:
-    status, _ = STATUS[err.kind]
-    headers = {}
+    status = err.http_status or STATUS[err.kind][0]
+    headers = {"Connection": "close"} if status in CLOSES_CONNECTION else {}
     if err.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(err.retry_after_s)))
         headers["retry-after-ms"] = str(math.ceil(err.retry_after_s * 1000))

@@ -19,6 +19,8 @@ from loadtest.tiny_model import random_checkpoint, save_hf_dir
 from tests.faults.harness import Engines, Tenants, delete_prefix, ray_for_folder, tenancy_settings
 from tests.gateway.conftest import private_gateway
 
+PATIENCE_S = 1.0
+
 
 @dataclass
 class Fuzzed:
@@ -40,10 +42,14 @@ async def fuzzed(engines: Engines, redis_url: str) -> AsyncIterator[Fuzzed]:
     settings = tenancy_settings(redis_url)
     try:
         with engines.deploy("fuzz-tiny") as handle:
-            async with private_gateway(handle, settings, Path(engines.model_dir)) as server:
+            # Short patience for slow clients, so that half-sent requests are judged in seconds.
+            patience = {"http_header_timeout_s": PATIENCE_S, "http_body_timeout_s": PATIENCE_S}
+            async with private_gateway(handle, settings, Path(engines.model_dir), **patience) as server:
                 tenants = Tenants(settings, server.tenancy)
                 _, key = await tenants.create()
+                _, limited = await tenants.create(quotas={"max_concurrent": 2, "requests_per_minute": 120})
                 assert server.http_address is not None
-                yield Fuzzed(server, Target(server.address, server.http_address, key, "tiny"))
+                target = Target(server.address, server.http_address, key, "tiny", limited, PATIENCE_S)
+                yield Fuzzed(server, target)
     finally:
         delete_prefix(settings)

@@ -147,6 +147,35 @@ async def test_raw_http_bodies(sender: Sender, fuzzed: Fuzzed, rng: random.Rando
     await check(sender, make_case(rng, fuzzed.target, "http_bytes"))
 
 
+# ---- hostile tenants: lists at their limits and far past, slow clients, floods ------------------------
+
+
+@settings(FUZZ, max_examples=30)
+@given(rng=RNG, front=st.sampled_from(["grpc_lists", "http_lists"]))
+async def test_every_list_at_its_limit_and_far_past_it(
+    sender: Sender, fuzzed: Fuzzed, rng: random.Random, front: str
+) -> None:
+    """One short refusal for a list too long, whatever its items (never one error per item)."""
+    case = make_case(rng, fuzzed.target, front)
+    outcome = await sender.send(case)
+    assert problems(outcome) == [], (case.note, outcome.code, outcome.message[:300])
+    assert len(outcome.message) < 4096, case.note
+
+
+@settings(FUZZ, max_examples=8)
+@given(rng=RNG)
+async def test_half_sent_requests_are_cut_off(sender: Sender, fuzzed: Fuzzed, rng: random.Random) -> None:
+    await check(sender, make_case(rng, fuzzed.target, "http_slow"))
+
+
+@settings(FUZZ, max_examples=6)
+@given(rng=RNG)
+async def test_a_tenants_flood_of_large_prompts_is_bounded(
+    sender: Sender, fuzzed: Fuzzed, rng: random.Random
+) -> None:
+    await check(sender, make_case(rng, fuzzed.target, "http_flood"))
+
+
 # ---- keys ---------------------------------------------------------------------------------------------
 
 
