@@ -3,28 +3,35 @@
 The size is refused before anything is read when the client declares it, and as soon as it is
 exceeded otherwise. A body that does not decode is INVALID_ARGUMENT naming its first bad fields,
 dotted as OpenAI's ``param``; the errors are made without copies of the input they refer to.
+
+Large bodies are decoded in the decoder process (gateway/http/decoder.py): a decode holds the GIL
+throughout, so on a thread it would still stall the event loop.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from typing import TypeVar, cast
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect
 
 from gateway.errors import ErrorKind, GatewayError, invalid_argument
+from gateway.http.decoder import DecoderProcess
+from gateway.http.schema import compact_extras
 from protocol.limits import LIMITS, Violation
 
 # A JSON body may spell a prompt with escapes: allow several times the prompt limit, then refuse.
 MAX_BODY_BYTES = 4 * LIMITS.max_prompt_bytes + 65_536
 
-# Bodies above this size are decoded on a worker thread: parsing a few MB takes tens of milliseconds,
-# which on the event loop would stall every stream the gateway is writing.
+# Bodies above this size are decoded in the decoder process (below it, a decode takes at most a few
+# milliseconds, less than the hop).
 INLINE_DECODE_BYTES = 64 * 1024
 
 Body = TypeVar("Body", bound=BaseModel)
+
+_decoder: DecoderProcess | None = None
 
 
 async def read_body(request: Request, timeout_s: float) -> bytes:
@@ -61,15 +68,19 @@ def _too_large(why: str) -> GatewayError:
 
 
 async def decode(model: type[Body], raw: bytes) -> Body:
-    """The body as ``model``, or INVALID_ARGUMENT naming its bad fields; large bodies off the loop."""
+    """The body as ``model``, or INVALID_ARGUMENT naming its bad fields; large bodies in the decoder
+    process."""
+    global _decoder
     if len(raw) <= INLINE_DECODE_BYTES:
         return decode_now(model, raw)
-    return await asyncio.to_thread(decode_now, model, raw)
+    if _decoder is None:
+        _decoder = DecoderProcess()
+    return cast(Body, await _decoder.decode(model, raw))
 
 
 def decode_now(model: type[Body], raw: bytes) -> Body:
     try:
-        return model.model_validate_json(raw)
+        body = model.model_validate_json(raw)
     except ValidationError as exc:
         bad: list[Violation] = []
         for e in exc.errors(include_url=False, include_context=False, include_input=False):
@@ -80,6 +91,8 @@ def decode_now(model: type[Body], raw: bytes) -> Body:
             loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in parts).lstrip(".")
             bad.append((loc or "body", e["msg"]))
         raise invalid_argument(bad or [("body", "is not a valid request")]) from None
+    compact_extras(body)
+    return body
 
 
 # pydantic names the member of a union that failed inside an error's location (``stop.str``,

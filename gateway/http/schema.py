@@ -138,6 +138,28 @@ def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[
     return bad
 
 
+def compact_extras(body: BaseModel) -> None:
+    """Keep of the fields the schema does not declare only what ``unsupported_fields`` reads, each
+    value cut to what decides its verdict: unknown fields are ignored by design, and a field such
+    as ``tools`` may hold a hundred thousand items that would otherwise be kept, and copied."""
+    extra = body.model_extra
+    if not extra:
+        return
+    kept = {k: _verdict_value(k, v) for k, v in extra.items() if k in _UNSUPPORTED or k == "modalities"}
+    extra.clear()
+    extra.update(kept)
+
+
+def _verdict_value(name: str, value: Any) -> Any:
+    if name == "response_format" and isinstance(value, dict):
+        return {"type": value.get("type")} if value.get("type") == "text" else {"set": True}
+    if name == "modalities" and isinstance(value, list) and len(value) <= 4:
+        return value
+    if isinstance(value, (list, dict)):
+        return value if not value else ["set"]  # empty means "not used"; anything else is refused
+    return value
+
+
 def _plain_text_format(name: str, value: Any) -> bool:
     """``response_format: {"type": "text"}`` asks for what Loom does anyway."""
     return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"

@@ -23,6 +23,7 @@ from gateway.grpc.stubs import pb
 from gateway.settings import GatewaySettings
 from protocol.engine_config import EngineConfig
 from protocol.limits import LIMITS
+from protocol.tokenizer import Tokenizer
 from serving.bootstrap import PoolRoute, start_gateway
 from serving.pools import LocalEnginePool
 from tenancy import FileTenantStore, TenancySettings
@@ -55,8 +56,13 @@ async def served(model_dir: Path, tmp_path: Path) -> AsyncIterator[tuple[str, st
         engine.shutdown()
 
 
-async def test_one_megabyte_prompts_do_not_stall_the_event_loop(served: tuple[str, str]) -> None:
+async def test_one_megabyte_prompts_do_not_stall_the_event_loop(
+    served: tuple[str, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     address, key = served
+    # No size floor: these prompts must be tokenized (the gateway refuses one whose bytes alone prove
+    # it too long before tokenizing it, which would leave nothing to measure here).
+    monkeypatch.setattr(Tokenizer, "max_token_bytes", property(lambda _: LIMITS.max_prompt_bytes))
     rng = random.Random(0)
     prompt = "".join(rng.choice(string.ascii_letters + " .,") for _ in range(LIMITS.max_prompt_bytes))
     gaps: list[float] = []
