@@ -662,7 +662,7 @@ async def run_fuzz(cfg: SoakConfig, n: int, say: Any) -> dict[str, Any]:
             minutes = (time.monotonic() - started) / 60
             after = _server_state(served)
             healthy = await _healthy(client, cfg.model)
-        out = report.to_dict() | {"healthy_after": healthy} | victim_runs
+        out = report.to_dict() | {"healthy_after": healthy, "cpu": cpu_line()} | victim_runs
         checks = _fuzz_checks(before, after, served, minutes)
         out |= checks
         failed = [k for k, v in checks.items() if k.endswith("_ok") and v is False]
