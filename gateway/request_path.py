@@ -103,6 +103,8 @@ class RequestPath:
         self.settings = settings
         self._large_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
         self.pre_admission = PreAdmission()
+        # Tenants whose request rate admission refused, and until when (see _not_known_refused).
+        self._rpm_refused_until: dict[str, float] = {}
         # Both fronts' writes to clients, under one clock (a client that reads nothing loses its stream).
         self.stall_watch = StallWatch(settings.stream_stall_timeout_s)
         self.draining = False  # set when the gateway drains: new calls are refused, streams go on
@@ -186,6 +188,7 @@ class RequestPath:
             valid = validate(request, decode_violations)
             route, adapter = self._route(tenant, valid.model)
             self._fits_by_size(tenant, valid, route)
+            self._not_known_refused(tenant)
             prompt_ids = await self._tokenize(route.tokenizer, valid, tenant.id)
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
@@ -239,6 +242,26 @@ class RequestPath:
         name, record = found
         route = self.catalog.route(tenant, record.base_model)
         return route, LoraRequest(record.engine_id(tenant.id, name), record.path, record.digest)
+
+    def _not_known_refused(self, tenant: Tenant) -> None:
+        """Before tokenizing: a tenant whose request rate was refused with "retry in t s" less than t
+        ago is refused again at once, without spending tokenizing work that admission would then
+        refuse (the bucket cannot hold a request before then). Rate only: a concurrency slot or
+        tokens may come back sooner."""
+        until = self._rpm_refused_until.get(tenant.id)
+        if until is None:
+            return
+        wait = until - time.monotonic()
+        if wait <= 0:
+            del self._rpm_refused_until[tenant.id]
+            return
+        limit = str(Limit.REQUESTS_PER_MINUTE)
+        raise GatewayError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"{limit} quota exhausted; retry in {wait:.2f} s",
+            retry_after_s=wait,
+            limit=limit,
+        )
 
     def _fits_by_size(self, tenant: Tenant, v: ValidRequest, route: ModelRoute) -> None:
         """Before tokenizing: a prompt whose UTF-8 size alone proves it has more tokens than the
@@ -362,6 +385,8 @@ class RequestPath:
                     ErrorKind.ALREADY_EXISTS, f"request_id {request_id!r} was already used; send a new one"
                 )
             wait = admission.retry_after_s
+            if admission.limit is Limit.REQUESTS_PER_MINUTE and wait is not None:
+                self._rpm_refused_until[tenant.id] = time.monotonic() + wait
             hint = f"; retry in {wait:.2f} s" if wait is not None else "; retrying cannot help"
             raise GatewayError(
                 ErrorKind.RESOURCE_EXHAUSTED,

@@ -317,6 +317,18 @@ async def test_quota_refusal_carries_the_limit_and_the_wait(world: World) -> Non
     assert REGISTRY.get_sample_value("loom:gateway_admission_refusals_total", labels) == 1
 
 
+async def test_a_tenant_refused_for_its_rate_is_refused_again_before_tokenizing(world: World) -> None:
+    """Until its refusal's wait has passed, a tenant's further requests cost no tokenizing work."""
+    await drain(world.path.generate(world.principal("once"), ask(max_tokens=1)))
+    first = await refusal(world, ask(max_tokens=1), role="once")
+    tokenized = len(world.tokenizer.threads)
+    again = await refusal(world, ask("a different prompt", max_tokens=1), role="once")
+    assert len(world.tokenizer.threads) == tokenized  # refused before the tokenizer ran
+    assert again.limit == "requests_per_minute" and again.retry_after_s is not None
+    assert first.retry_after_s is not None and 0 < again.retry_after_s <= first.retry_after_s
+    assert world.usage("once")[0] == 1  # and nothing more was charged
+
+
 async def test_a_used_request_id_is_already_exists(world: World) -> None:
     await drain(world.path.generate(world.principal(), ask(max_tokens=1, request_id="same")))
     err = await refusal(world, ask(max_tokens=1, request_id="same"))
