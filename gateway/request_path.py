@@ -74,8 +74,11 @@ log = logging.getLogger(__name__)
 # Below this many UTF-8 bytes a prompt is tokenized on the event loop: the work takes microseconds,
 # less than a hop to a worker thread. Above it, a thread keeps a huge prompt from stalling every stream.
 INLINE_TOKENIZE_BYTES = 16 * 1024
-# Large prompts tokenized at once, per gateway: each takes a core for up to a second (1 MB), so a tenant
-# sending many cannot take every core from the streams of the others; the rest wait their turn.
+# Large prompts are tokenized on a thread, one at a time per lane and gateway: each takes a core for up
+# to a second (1 MB), so a tenant sending many cannot take every core from the streams of the others;
+# the rest wait their turn, taken by tenant in turn. Prompts up to HUGE_TOKENIZE_BYTES have a lane of
+# their own, so a 20 KB prompt (milliseconds) never waits behind a 1 MB one.
+HUGE_TOKENIZE_BYTES = 128 * 1024
 LARGE_TOKENIZE_SLOTS = 1
 
 OK = "OK"  # the final code of a call that streamed to its end (gRPC's name, as every other code)
@@ -102,6 +105,7 @@ class RequestPath:
         self.catalog = catalog
         self.settings = settings
         self._large_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
+        self._huge_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
         self.pre_admission = PreAdmission()
         # Tenants whose request rate admission refused, and until when (see _not_known_refused).
         self._rpm_refused_until: dict[str, float] = {}
@@ -292,7 +296,8 @@ class RequestPath:
             if v.prompt_bytes <= INLINE_TOKENIZE_BYTES:
                 ids = encode()
             else:
-                async with self._large_tokenize.slot(tenant_id):
+                lane = self._large_tokenize if v.prompt_bytes <= HUGE_TOKENIZE_BYTES else self._huge_tokenize
+                async with lane.slot(tenant_id):
                     ids = await asyncio.to_thread(encode)
         except TemplateError as exc:  # the model has no chat template, or the template refused
             raise invalid_argument([("messages", str(exc))]) from None

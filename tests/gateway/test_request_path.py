@@ -23,7 +23,7 @@ from common import Priority
 from gateway.catalog import ModelCatalog, ModelRoute
 from gateway.engine_pool import WorkerLostError
 from gateway.errors import MAX_VIOLATIONS, ErrorKind, GatewayError, invalid_argument
-from gateway.request_path import INLINE_TOKENIZE_BYTES, RequestPath
+from gateway.request_path import HUGE_TOKENIZE_BYTES, INLINE_TOKENIZE_BYTES, RequestPath
 from gateway.schema import ChatMessage, Delta, InferenceRequest, ServedModel
 from gateway.settings import GatewaySettings
 from gateway.validation import validate
@@ -418,6 +418,30 @@ async def test_large_prompts_are_tokenized_off_the_event_loop(world: World) -> N
     await drain(world.path.generate(world.principal(), ask("small", max_tokens=1)))
     assert world.tokenizer.threads[0] != loop_thread
     assert world.tokenizer.threads[1] == loop_thread
+
+
+async def test_a_medium_prompt_never_waits_behind_a_huge_one(world: World) -> None:
+    """Huge prompts (over HUGE_TOKENIZE_BYTES) have a lane of their own: a 20 KB prompt is tokenized
+    while a 1 MB one still is."""
+    world.tokenizer.max_token_bytes = 10**9  # no size floor: both are tokenized
+    release = threading.Event()
+    encode = world.tokenizer.encode
+
+    def slow_for_huge(text: str) -> list[int]:
+        if len(text) > HUGE_TOKENIZE_BYTES:
+            release.wait(10)
+        return encode(text)
+
+    world.tokenizer.encode = slow_for_huge  # type: ignore[method-assign]
+    huge = asyncio.create_task(refusal(world, ask("h" * (HUGE_TOKENIZE_BYTES + 1))))
+    await asyncio.sleep(0.05)
+    try:
+        async with asyncio.timeout(5):
+            medium = await refusal(world, ask("m" * 20_000), role="main")
+        assert medium.violations[0][0] == "prompt" and not huge.done()  # tokenized, then too long
+    finally:
+        release.set()
+    assert (await huge).kind is ErrorKind.INVALID_ARGUMENT
 
 
 async def test_a_prompt_too_large_by_its_bytes_alone_is_refused_before_tokenizing(world: World) -> None:
