@@ -158,6 +158,41 @@ async def _stream_for(client: Any, seconds: float, streams: int, max_tokens: int
     return _gaps(gaps) | {"tokens_per_s": round(tokens / (time.monotonic() - started), 1)}
 
 
+# ---- the victim: another tenant's 20 KB prompts, each timed to its first token ---------------------
+
+VICTIM_PROMPT_BYTES = 20_000
+
+
+async def _victim_ttft(client: Any, seconds: float, seed: int) -> dict[str, Any]:
+    """Send a fresh 20 KB prompt (no prefix-cache hit: different words each time), one at a time with
+    a pause, for ``seconds``; its time to first token each time."""
+    from gateway.grpc.stubs import pb
+    from loadtest.words import WORDS
+
+    rng = random.Random(seed)
+    ttfts: list[float] = []
+    until = time.monotonic() + seconds
+    while time.monotonic() < until:
+        words: list[str] = []
+        while sum(len(w) + 1 for w in words) < VICTIM_PROMPT_BYTES:
+            words.append(rng.choice(WORDS))
+        prompt = " ".join(words)[:VICTIM_PROMPT_BYTES]
+        request = pb.GenerateRequest(model="tiny", prompt=prompt, max_tokens=1, temperature=0.0)
+        started = time.perf_counter()
+        async for chunk in client.generate_call(request, timeout=120):
+            if chunk.token_ids:
+                ttfts.append(time.perf_counter() - started)
+                break
+        await asyncio.sleep(0.3)
+    ms = [t * 1e3 for t in ttfts]
+    return {
+        "prompts": len(ms),
+        "p50_ms": round(_pct(ms, 0.5), 1),
+        "p90_ms": round(_pct(ms, 0.9), 1),
+        "max_ms": round(max(ms), 1) if ms else float("nan"),
+    }
+
+
 class _LoopLag:
     """How late the gateway's event loop wakes a coroutine that sleeps 5 ms: its stalls, directly."""
 
@@ -178,7 +213,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
 
     from gateway.grpc.client import LoomClient
     from gateway.settings import GatewaySettings
-    from loadtest.tiny_model import random_checkpoint, save_hf_dir
+    from loadtest.tiny_model import save_hf_dir
     from protocol.engine_config import EngineConfig
     from serving.bootstrap import serve_route, start_gateway, start_ray, start_serve
     from serving.replica import engine_deployment
@@ -186,11 +221,11 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
     from tenancy.models import SHARED_POOL, Quotas, Tenant
 
     workdir = Path(tempfile.mkdtemp(prefix="loom-bench-isolation-"))
-    model_dir = save_hf_dir(random_checkpoint(), workdir / "tiny")
+    model_dir = save_hf_dir(_tiny_with_a_real_tokenizer(), workdir / "tiny")
     log("starting Ray and the engine replica ...")
     start_ray(num_cpus=4)
     start_serve()
-    engine = EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=8, num_threads=1)
+    engine = EngineConfig(model_path=str(model_dir), kv_cache_memory_mb=32, num_threads=1)
     app = engine_deployment(engine, name=f"engine-{SHARED_POOL}", pool=SHARED_POOL)
     handle = serve.run(app, name="bench-isolation", route_prefix=None)
     prefix = f"loombench-{uuid.uuid4().hex[:8]}"
@@ -199,8 +234,13 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
     )
     store = RedisTenantStore.from_settings(settings)
     keys = {}
-    for name in ("streamer", "flooder"):
-        store.create_tenant(Tenant(id=name, quotas=Quotas.unlimited()), actor="bench")
+    # The flooder has the default quotas a new tenant gets: its bounds before admission are the point.
+    for name, quotas in (
+        ("streamer", Quotas.unlimited()),
+        ("victim", Quotas.unlimited()),
+        ("flooder", Quotas()),
+    ):
+        store.create_tenant(Tenant(id=name, quotas=quotas), actor="bench")
         keys[name] = store.create_key(name, actor="bench").plaintext.get_secret_value()
     gateway = await start_gateway(
         GatewaySettings(port=0, http_port=0, metrics_port=None),
@@ -210,6 +250,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
     server = gateway.server
     assert server.http_address is not None
     client = LoomClient(server.address, keys["streamer"])
+    victim = LoomClient(server.address, keys["victim"])
     phases: dict[str, Any] = {}
     flood: dict[str, Any] = {}
     try:
@@ -228,7 +269,9 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
                 await asyncio.sleep(2.0)  # the senders' process imports and builds its prompts first
             lag = _LoopLag()
             ticking = asyncio.create_task(lag.run())
+            probing = asyncio.create_task(_victim_ttft(victim, phase_s, seed=len(phases)))
             phases[phase] = await _stream_for(client, phase_s, streams, 200)
+            phases[phase]["victim_ttft"] = await probing
             lag.stop = True
             await ticking
             phases[phase]["event_loop_lag"] = _gaps(lag.lags)
@@ -237,6 +280,7 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
                 await asyncio.to_thread(proc.join, 30)
     finally:
         await client.close()
+        await victim.close()
         await gateway.stop(grace_s=0)
         serve.shutdown()
         ray.shutdown()
@@ -246,7 +290,27 @@ async def _run(phase_s: float, streams: int, senders: int, redis_url: str, log: 
         for k in r.scan_iter(match=f"{prefix}*"):
             r.delete(k)
         r.close()
-    return {"phases": phases, "flood": flood}
+    alone = phases.get("alone", {}).get("victim_ttft", {}).get("p50_ms")
+    flooded = phases.get("with_1mb_senders", {}).get("victim_ttft", {}).get("p50_ms")
+    ratio = round(flooded / alone, 2) if alone and flooded else None
+    return {"phases": phases, "flood": flood, "victim_ttft_ratio": ratio}
+
+
+def _tiny_with_a_real_tokenizer() -> Any:
+    """The tiny random model with SmolLM2's tokenizer: a 1 MB prompt is then one that might fit a
+    context as far as its bytes tell (its longest token is 162 bytes), so the gateway must tokenize it
+    to know, which is the work a flood costs; with the byte tokenizer it is refused by size at once."""
+    from loadtest.tiny_model import random_weights, tiny_config
+    from protocol.model_files import load_tokenizer
+    from worker.api import Checkpoint
+
+    tokenizer = load_tokenizer()
+    config = tiny_config(
+        vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=8192,
+        eos_token_ids=tokenizer.eos_token_ids,
+    )
+    return Checkpoint("tiny-random", Path("<random>"), config, random_weights(config), tokenizer)
 
 
 def to_markdown(report: dict[str, Any]) -> str:
