@@ -16,6 +16,8 @@ PACKAGES = ("common", "protocol", "kernels", "worker", "tenancy", "gateway", "se
 ENVIRON_ALLOWED = {
     "kernels/bench/run.py": "a GPU script: its --out default ($OUT) and setting TRITON_INTERPRET",
     "serving/bootstrap.py": "sets Ray's RAY_DEDUP_LOGS for the local cluster it starts",
+    "gateway/http/decoder.py": "the environment of the decoder process it starts: this one's, PYTHONPATH "
+    "this one's import path",
     "loom/cmd_bench.py": "the environment of the benchmarks it launches: this one's, PYTHONPATH the checkout",
     "loadtest/bench_admission.py": "the benchmark's --redis-url default from REDIS_URL, as the tests",
     "loadtest/workload.py": "a workload file may name the variable that holds a tenant's key",
