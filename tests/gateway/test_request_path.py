@@ -558,3 +558,17 @@ async def test_a_deadline_during_admission_leaves_nothing_reserved(
     assert (prompt, completion, cancelled) == (2, 0, 1)  # the prompt as admitted; max_tokens refunded
     assert world.pool.requests == []  # never dispatched
     await drain(world.path.generate(world.principal("solo"), ask(max_tokens=2)))  # the only slot is free
+
+
+def test_tokenizing_threads_yield_the_cpu_to_the_rest_of_the_gateway() -> None:
+    """A 1 MB prompt's second of tokenizing runs at a lower priority than the loop and the engine."""
+    import os
+
+    from gateway.request_path import _TOKENIZE_THREADS
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    mine = nice()
+    theirs = _TOKENIZE_THREADS.submit(nice).result(timeout=10)
+    assert theirs == min(19, mine + 10)
