@@ -276,13 +276,7 @@ class RequestPath:
         if wait <= 0:
             del self._rpm_refused_until[tenant.id]
             return
-        limit = str(Limit.REQUESTS_PER_MINUTE)
-        raise GatewayError(
-            ErrorKind.RESOURCE_EXHAUSTED,
-            f"{limit} quota exhausted; retry in {wait:.2f} s",
-            retry_after_s=wait,
-            limit=limit,
-        )
+        raise _quota_exhausted(Limit.REQUESTS_PER_MINUTE, wait)
 
     def _fits_by_size(self, tenant: Tenant, v: ValidRequest, route: ModelRoute) -> None:
         """Before tokenizing: a prompt whose UTF-8 size alone proves it has more tokens than the
@@ -409,13 +403,7 @@ class RequestPath:
             wait = admission.retry_after_s
             if admission.limit is Limit.REQUESTS_PER_MINUTE and wait is not None:
                 self._rpm_refused_until[tenant.id] = time.monotonic() + wait
-            hint = f"; retry in {wait:.2f} s" if wait is not None else "; retrying cannot help"
-            raise GatewayError(
-                ErrorKind.RESOURCE_EXHAUSTED,
-                f"{admission.limit} quota exhausted{hint}",
-                retry_after_s=wait,
-                limit=str(admission.limit),
-            )
+            raise _quota_exhausted(admission.limit, wait)
         if admission.duplicate:  # the same request id is streaming right now: its lease is not ours
             raise GatewayError(ErrorKind.ALREADY_EXISTS, f"request_id {request_id!r} is already in flight")
         return admission
@@ -576,6 +564,14 @@ def _delta(
             for lp in out.logprobs
         )
     return Delta(request_id, out.text, tuple(out.token_ids), out.finish_reason, usage, index, logprobs)
+
+
+def _quota_exhausted(limit: Limit | None, wait: float | None) -> GatewayError:
+    """RESOURCE_EXHAUSTED for a quota, with the wait that can help (None: none can)."""
+    hint = f"; retry in {wait:.2f} s" if wait is not None else "; retrying cannot help"
+    return GatewayError(
+        ErrorKind.RESOURCE_EXHAUSTED, f"{limit} quota exhausted{hint}", retry_after_s=wait, limit=str(limit)
+    )
 
 
 def _count_refusal(tenant_id: str, err: GatewayError) -> None:

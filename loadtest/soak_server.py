@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -149,19 +150,12 @@ class ReplicaGauges:
 
 def replica_gauges(metrics_url: str) -> dict[str, ReplicaGauges]:
     """Per replica of every pool: the engine gauges the gateway re-exports (docs: gateway/metrics.py)."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
     out: dict[str, ReplicaGauges] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m is None:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+    for name, labels, value in _samples(metrics_url):
         replica = labels.get("replica")
         if replica is None:
             continue
         g = out.setdefault(replica, ReplicaGauges())
-        name, value = m.group("name"), float(m.group("value"))
         if name == "loom:kv_cache_blocks_used":
             g.kv_blocks_used = value
         elif name == "loom:num_requests_running":
@@ -175,16 +169,22 @@ def replica_gauges(metrics_url: str) -> dict[str, ReplicaGauges]:
 
 def loop_lag_buckets(metrics_url: str) -> dict[float, float]:
     """The gateway's event-loop lag histogram (gateway/loop_lag.py): upper bound -> cumulative count."""
+    return {
+        float(labels["le"]): value
+        for name, labels, value in _samples(metrics_url)
+        if name == "loom:gateway_event_loop_lag_seconds_bucket"
+    }
+
+
+def _samples(metrics_url: str) -> Iterator[tuple[str, dict[str, str], float]]:
+    """Each labelled sample of a Prometheus endpoint: (name, labels, value)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
-    out: dict[float, float] = {}
     for line in text.splitlines():
         m = _SAMPLE.match(line)
-        if m is None or m.group("name") != "loom:gateway_event_loop_lag_seconds_bucket":
-            continue
-        le = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))["le"]
-        out[float(le)] = float(m.group("value"))
-    return out
+        if m is not None:
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group("labels")))
+            yield m.group("name"), labels, float(m.group("value"))
 
 
 def histogram_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:

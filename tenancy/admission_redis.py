@@ -95,6 +95,21 @@ def _level(raw: Any) -> float | None:
     return float(text) if text else None
 
 
+def _store_unavailable(
+    tenant: Tenant, request_id: str, backend: QuotaMode, retry_after_s: float
+) -> Admission:
+    """A refusal because Redis did not answer, counted under the mode that refused it."""
+    metrics.admission_counter("refused", Limit.QUOTA_STORE_UNAVAILABLE.value, backend.value).inc()
+    return Admission(
+        granted=False,
+        tenant_id=tenant.id,
+        request_id=request_id,
+        backend=backend,
+        limit=Limit.QUOTA_STORE_UNAVAILABLE,
+        retry_after_s=retry_after_s,
+    )
+
+
 def _opt(value: int | None) -> int:
     """Unlimited is sent to the script as -1."""
     return -1 if value is None else value
@@ -412,15 +427,7 @@ class RedisAdmission:
                 raise
             if self._mark_down("admit", exc):
                 return self._admit_degraded(tenant, request_id, prompt_tokens, max_tokens)
-            metrics.admission_counter("refused", Limit.QUOTA_STORE_UNAVAILABLE.value, "redis").inc()
-            return Admission(
-                granted=False,
-                tenant_id=tenant.id,
-                request_id=request_id,
-                backend=QuotaMode.REDIS,
-                limit=Limit.QUOTA_STORE_UNAVAILABLE,
-                retry_after_s=self._probe_interval_s,
-            )
+            return _store_unavailable(tenant, request_id, QuotaMode.REDIS, self._probe_interval_s)
         self._answered()
         return self._parse_admit(tenant, request_id, reply)
 
@@ -462,15 +469,8 @@ class RedisAdmission:
         self, tenant: Tenant, request_id: str, prompt_tokens: int, max_tokens: int
     ) -> Admission:
         if self._failure_mode is FailureMode.FAIL_CLOSED:
-            metrics.admission_counter("refused", Limit.QUOTA_STORE_UNAVAILABLE.value, "fail_closed").inc()
-            return Admission(
-                granted=False,
-                tenant_id=tenant.id,
-                request_id=request_id,
-                backend=QuotaMode.FAIL_CLOSED,
-                limit=Limit.QUOTA_STORE_UNAVAILABLE,
-                retry_after_s=max(0.001, self._next_probe - time.monotonic()),
-            )
+            wait = max(0.001, self._next_probe - time.monotonic())
+            return _store_unavailable(tenant, request_id, QuotaMode.FAIL_CLOSED, wait)
         admission = self._fallback.admit_sync(tenant, request_id, prompt_tokens, max_tokens)
         if admission.granted:
             self._local_ids.add((tenant.id, request_id))
