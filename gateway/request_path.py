@@ -40,6 +40,7 @@ from collections.abc import AsyncGenerator, Callable, Sequence
 from dataclasses import dataclass
 
 from gateway.catalog import ModelCatalog, ModelRoute
+from gateway.constraints import ConstraintChecks
 from gateway.engine_pool import WorkerLostError
 from gateway.errors import ErrorKind, GatewayError, from_tenancy, invalid_argument
 from gateway.metrics import (
@@ -124,6 +125,7 @@ class RequestPath:
         self._large_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
         self._huge_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
         self.pre_admission = PreAdmission()
+        self.constraints = ConstraintChecks(settings.grammar_check_timeout_s)
         # Tenants whose request rate admission refused, and until when (see _not_known_refused).
         self._rpm_refused_until: dict[str, float] = {}
         # Both fronts' writes to clients, under one clock (a client that reads nothing loses its stream).
@@ -210,6 +212,8 @@ class RequestPath:
             route, adapter = self._route(tenant, valid.model)
             self._fits_by_size(tenant, valid, route)
             self._not_known_refused(tenant)
+            if valid.constraint is not None:
+                await self.constraints.check(tenant.id, route.tokenizer, valid.constraint)
             prompt_ids = await self._tokenize(route.tokenizer, valid, tenant.id)
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
@@ -347,6 +351,7 @@ class RequestPath:
                 seed=v.seed,
                 stop=v.stop,
                 logprobs=v.logprobs,
+                constraint=v.constraint,
             )
         except InvalidRequestError as exc:  # only max_tokens is new since validation
             raise invalid_argument([(exc.field, exc.detail)]) from None

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from common import Priority
 from protocol.requests import FinishReason
+from protocol.structured import Constraint
 
 ROLES = ("system", "user", "assistant")
 
@@ -48,6 +49,7 @@ class InferenceRequest:
     n: int = 1  # completions of the one prompt (choices); copies share the prompt's KV blocks
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best rivals
     user: str | None = None  # the client's own end-user id: logged with the request id, never trusted
+    constraint: Constraint | None = None  # what the output must match: a JSON schema, a regex...
 
 
 @dataclass(frozen=True)

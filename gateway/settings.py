@@ -11,6 +11,9 @@ class GatewaySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="LOOM_GATEWAY_", extra="ignore")
 
     host: str = "127.0.0.1"
+    grammar_check_timeout_s: float = Field(
+        2.0, gt=0, description="longest a request's JSON schema, regex or grammar may take to compile"
+    )
     port: int = Field(50051, ge=0, le=65535, description="gRPC; 0 picks a free port")
     http_port: int | None = Field(
         8000, ge=0, le=65535, description="the OpenAI-compatible HTTP front; None disables it"

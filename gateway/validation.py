@@ -17,6 +17,7 @@ from common import Priority
 from gateway.errors import invalid_argument
 from gateway.schema import ROLES, ChatMessage, InferenceRequest
 from protocol.limits import LIMITS, Violation, sampling_violations
+from protocol.structured import Constraint, size_violations
 from tenancy.admission import REQUEST_ID_PATTERN
 
 MAX_MODEL_NAME_CHARS = 256
@@ -43,6 +44,7 @@ class ValidRequest:
     n: int
     logprobs: int | None
     user: str | None
+    constraint: Constraint | None = None  # its grammar is checked once the model is known
 
 
 _LONE_SURROGATE = "is not valid Unicode text (it holds a lone surrogate)"
@@ -118,6 +120,8 @@ def validate(request: InferenceRequest, decode_violations: Sequence[Violation] =
     )
     if not (isinstance(request.n, int) and 1 <= request.n <= LIMITS.max_choices):
         bad.append(("n", f"must be from 1 to {LIMITS.max_choices} choices, got {request.n!r}"))
+    if request.constraint is not None:
+        bad += size_violations(request.constraint)
     if request.user is not None and len(request.user) > MAX_USER_CHARS:
         bad.append(("user", f"is longer than {MAX_USER_CHARS} characters"))
     if request.request_id is not None and not _REQUEST_ID.fullmatch(request.request_id):
@@ -144,4 +148,5 @@ def validate(request: InferenceRequest, decode_violations: Sequence[Violation] =
         n=request.n,
         logprobs=request.logprobs,
         user=request.user,
+        constraint=request.constraint,
     )

@@ -37,6 +37,7 @@ _SOURCES = [
         "layer_ops_cpu.cpp",
         "dense_cpu.cpp",
         "argmax_cpu.cpp",
+        "token_mask_cpu.cpp",
         "bindings.cpp",
     )
 ]

@@ -23,6 +23,15 @@ class RequestLimits:
     max_logprobs: int = 20  # alternatives per token (OpenAI's top_logprobs bound)
     max_choices: int = 8  # completions of one prompt in one request (n)
     seed_bound: int = 2**63  # seeds are in [0, seed_bound)
+    # Constrained output (protocol/structured.py). Fuel and size are llguidance's units; a step's
+    # mask for one row costs at most a few ms with these (its figures: ~14k lexer fuel and ~20k
+    # Earley items per ms), building a grammar at most ~20 ms.
+    max_constraint_bytes: int = 64 * 1024  # a schema, regex or grammar's text; all choices together
+    max_choice_options: int = 256
+    grammar_step_lexer_fuel: int = 50_000
+    grammar_step_max_items: int = 20_000
+    grammar_initial_lexer_fuel: int = 1_000_000
+    grammar_max_size: int = 200_000
 
 
 LIMITS = RequestLimits()

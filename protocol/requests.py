@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from common import Priority
 from protocol.adapters import LoraRequest
 from protocol.limits import LIMITS, sampling_violations
+from protocol.structured import Constraint
 
 
 class FinishReason(enum.StrEnum):
@@ -44,6 +45,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False  # benchmarks: generate exactly max_tokens
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best rivals
+    constraint: Constraint | None = None  # what the output must match (a JSON schema, a regex...)
 
     def __post_init__(self) -> None:
         bad = sampling_violations(

@@ -25,16 +25,18 @@ from protocol.requests import (
     TokenLogprob,
 )
 from protocol.stats import EngineStats
+from protocol.structured import size_violations
 from worker.block_manager import BlockManager
 from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.device import kv_budget_bytes, resolved_device, resolved_dtype
 from worker.engine_counters import EngineCounters
+from worker.grammars import Grammars
 from worker.kv_cache import KVCache, blocks_for_budget
 from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner, StepOutput
 from worker.output_processor import OutputProcessor
-from worker.scheduler import ScheduledBatch, SchedulerConfig, scheduler_class
+from worker.scheduler import GateChain, ScheduledBatch, SchedulerConfig, scheduler_class
 from worker.sequence import Sequence
 from worker.step_trace import StepObserver, StepRow, StepTrace
 
@@ -67,6 +69,8 @@ class LLMEngine:
             if config.max_loras
             else None
         )
+        # Grammars first: a sequence waiting on its grammar must not hold an adapter slot meanwhile.
+        self.grammars = Grammars(ckpt.tokenizer, ckpt.config.vocab_size)
         self.scheduler = scheduler_class(config.scheduler_cls)(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -75,9 +79,9 @@ class LLMEngine:
                 config.priority_scheduling,
             ),
             self.block_manager,
-            gate=self.lora,
+            gate=GateChain(self.grammars, self.lora) if self.lora is not None else self.grammars,
         )
-        self.runner = ModelRunner(self.model, self.kv_cache, self.lora)
+        self.runner = ModelRunner(self.model, self.kv_cache, self.lora, self.grammars)
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters()
@@ -89,6 +93,7 @@ class LLMEngine:
         self._failed_run_tenants: set[str] = set()  # whose rows failed in them
         if self.lora is not None:
             self.lora.on_loaded = self.wakeup.set
+        self.grammars.on_ready = self.wakeup.set
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = self.kv_cache.bytes_per_token()
 
@@ -107,6 +112,8 @@ class LLMEngine:
             raise InvalidRequestError("prompt", f"token ids must be in [0, {vocab})")
         if req.adapter is not None and self.lora is None:
             raise InvalidRequestError("model", "this replica serves no LoRA adapters (max_loras is 0)")
+        if req.sampling.constraint is not None and (bad := size_violations(req.sampling.constraint)):
+            raise InvalidRequestError(*bad[0])
 
     def add_request(self, req: GenerationRequest) -> None:
         self.validate(req)
@@ -167,7 +174,11 @@ class LLMEngine:
         forward_s = 0.0
         for part, result in parts:
             forward_s += result.forward_s
-            # A row that got no token (non-finite logits, a sampling error) fails its own request only.
+            # A row that got no token (non-finite logits, a sampling error, a grammar that failed), or
+            # whose grammar refused its token, fails its own request only.
+            for seq, reason in self.grammars.advance(result.sampled):
+                del result.sampled[seq]
+                result.failed.append((seq, reason))
             ended += [
                 self._end(seq, FinishReason.ERROR, f"{reason}; it was stopped (others were not)")
                 for seq, reason in result.failed

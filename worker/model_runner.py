@@ -10,6 +10,7 @@ import torch
 
 from kernels import PagedAttentionMetadata
 from protocol.requests import TokenLogprob
+from worker.grammars import Grammars
 from worker.kv_cache import KVCache
 from worker.lora_slots import LoraSlots
 from worker.model import ForwardBatch, LlamaModel, LoraStep
@@ -64,10 +65,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, lora: LoraSlots | None = None) -> None:
+    def __init__(
+        self,
+        model: LlamaModel,
+        kv_cache: KVCache,
+        lora: LoraSlots | None = None,
+        grammars: Grammars | None = None,
+    ) -> None:
         self.model = model
         self.kv = kv_cache
         self.lora = lora
+        self.grammars = grammars
         # A sampled sequence's random stream lives as long as the sequence, and no longer.
         self._rngs: weakref.WeakKeyDictionary[Sequence, RequestRng] = weakref.WeakKeyDictionary()
 
@@ -89,8 +97,15 @@ class ModelRunner:
             return out
         params = [s.sampling for s in sampled_seqs]
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
+        masks = self.grammars.masks(sampled_seqs) if self.grammars is not None else None
+        wants_lp = [row for row, s in enumerate(sampled_seqs) if s.sampling.logprobs is not None]
+        # Log-probabilities are the model's, before any mask: the rows that ask keep a copy when a
+        # mask may write into the logits.
+        lp_logits = logits.index_select(0, torch.tensor(wants_lp)) if masks is not None and wants_lp else None
         rows: list[int] = []
-        for row, (seq, token) in enumerate(zip(sampled_seqs, sample(logits, params, rngs), strict=True)):
+        for row, (seq, token) in enumerate(
+            zip(sampled_seqs, sample(logits, params, rngs, masks), strict=True)
+        ):
             if isinstance(token, RowFailed):
                 out.failed.append((seq, token.reason))
                 continue
@@ -101,7 +116,10 @@ class ModelRunner:
             seqs = [sampled_seqs[r] for r in rows]
             picked = [out.sampled[s] for s in seqs]
             tops = [s.sampling.logprobs or 0 for s in seqs]
-            out.logprobs = dict(zip(seqs, token_logprobs(logits, rows, picked, tops), strict=True))
+            source, at = (
+                (logits, rows) if lp_logits is None else (lp_logits, [wants_lp.index(r) for r in rows])
+            )
+            out.logprobs = dict(zip(seqs, token_logprobs(source, at, picked, tops), strict=True))
         return out
 
     def _rng(self, seq: Sequence) -> RequestRng:

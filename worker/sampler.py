@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import torch
 
 from kernels.argmax import argmax_rows
+from kernels.token_mask import apply_token_bitmask_, masked_argmax
 from protocol.requests import SamplingParams, TokenLogprob
+from worker.grammars import StepMasks
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +35,7 @@ class RowFailed:
 
 
 NON_FINITE = RowFailed("the model produced non-finite logits for this request")
+NOTHING_ALLOWED = RowFailed("the output constraint allows no token here")
 
 
 class RequestRng:
@@ -63,15 +66,24 @@ def sample(
     logits: torch.Tensor,
     params: list[SamplingParams],
     rngs: list[RequestRng | None],
+    masks: StepMasks | None = None,
 ) -> list[int | RowFailed]:
-    """One token per row of ``logits [n, vocab]``, or why that row got none."""
+    """One token per row of ``logits [n, vocab]``, or why that row got none. ``masks``: the grammar
+    masks of the constrained rows (a sampled one's logits are masked in place)."""
     # One pass gives every row's greedy pick and finiteness (kernels/argmax.py); a sampled row
-    # ignores its pick.
+    # ignores its pick, a constrained one is picked again among its allowed tokens.
     picks, finite = argmax_rows(logits)
+    pick_of = picks.tolist()
+    failed: dict[int, RowFailed] = {}
+    if masks is not None:
+        failed = {row: RowFailed(reason) for row, reason in masks.failed}
+        _constrain(logits, params, masks, pick_of, failed)
     out: list[int | RowFailed] = []
-    for i, (p, pick, ok) in enumerate(zip(params, picks.tolist(), finite.tolist(), strict=True)):
+    for i, (p, pick, ok) in enumerate(zip(params, pick_of, finite.tolist(), strict=True)):
         if not ok:
             out.append(NON_FINITE)
+        elif i in failed:
+            out.append(failed[i])
         elif p.greedy:
             out.append(pick)
         else:
@@ -85,6 +97,33 @@ def sample(
                 )
                 out.append(RowFailed(f"sampling failed for this request ({type(exc).__name__})"))
     return out
+
+
+def _constrain(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    masks: StepMasks,
+    pick_of: list[int],
+    failed: dict[int, RowFailed],
+) -> None:
+    """Greedy constrained rows: their pick among the allowed tokens (the logits stay as they are).
+    Sampled ones: their disallowed logits set to -inf. A row whose mask allows nothing fails."""
+    rows = masks.rows.tolist()
+    greedy = [j for j, r in enumerate(rows) if params[r].greedy]
+    drawn = [j for j, r in enumerate(rows) if not params[r].greedy]
+    if greedy:
+        at = torch.tensor(greedy, dtype=torch.long)
+        ids, found = masked_argmax(logits, masks.rows[at], masks.bitmask[at])
+        for j, token, ok in zip(greedy, ids.tolist(), found.tolist(), strict=True):
+            pick_of[rows[j]] = token
+            if not ok:
+                failed.setdefault(rows[j], NOTHING_ALLOWED)
+    if drawn:
+        at = torch.tensor(drawn, dtype=torch.long)
+        found = apply_token_bitmask_(logits, masks.rows[at], masks.bitmask[at])
+        for j, ok in zip(drawn, found.tolist(), strict=True):
+            if not ok:
+                failed.setdefault(rows[j], NOTHING_ALLOWED)
 
 
 def token_logprobs(

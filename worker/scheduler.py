@@ -73,6 +73,31 @@ class OpenGate:
         return None
 
 
+class GateChain:
+    """Several gates asked in order; a later one is asked only once the earlier ones said READY, and
+    what the earlier ones reserved is released again when a later one does not (so a gate that holds
+    something, as LoRA slots do, goes last)."""
+
+    def __init__(self, *gates: AdmissionGate) -> None:
+        self.gates = gates
+
+    def admit(self, seq: Sequence) -> Gate:
+        for k, gate in enumerate(self.gates):
+            verdict = gate.admit(seq)
+            if verdict is not Gate.READY:
+                for earlier in self.gates[:k]:
+                    earlier.release(seq)
+                return verdict
+        return Gate.READY
+
+    def release(self, seq: Sequence) -> None:
+        for gate in self.gates:
+            gate.release(seq)
+
+    def failure(self, seq: Sequence) -> str | None:
+        return next((r for g in self.gates if (r := g.failure(seq)) is not None), None)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int = EngineConfig.model_fields["max_num_seqs"].default

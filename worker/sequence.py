@@ -37,6 +37,7 @@ class Sequence:
     cache_salt: bytes
     stop_token_ids: frozenset[int] = frozenset()  # end-of-sequence (unless ignore_eos) and stop ids
     adapter: LoraRequest | None = None
+    num_resumed_tokens: int = 0  # the prompt's last tokens that an earlier attempt generated
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -70,6 +71,7 @@ class Sequence:
             cache_salt=salt,
             stop_token_ids=frozenset(stop),
             adapter=req.adapter,
+            num_resumed_tokens=req.num_resumed_tokens,
         )
 
     @property

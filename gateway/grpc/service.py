@@ -23,6 +23,7 @@ from gateway.schema import ChatMessage, Delta, InferenceRequest
 from gateway.stall_watch import StreamStalled
 from protocol.limits import LIMITS, Violation
 from protocol.requests import FinishReason
+from protocol.structured import Constraint, ConstraintKind
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,25 @@ def to_request(message: pb.GenerateRequest) -> tuple[InferenceRequest, list[Viol
         request_id=message.request_id or None,
         n=message.n or 1,
         user=message.user or None,
+        constraint=_constraint(message, bad),
         **{name: getattr(message, name) for name in _OPTIONAL_FIELDS if message.HasField(name)},
     )
     return request, bad
+
+
+def _constraint(message: pb.GenerateRequest, bad: list[Violation]) -> Constraint | None:
+    which = message.WhichOneof("constraint")
+    if which is None:
+        return None
+    if which == "json_object":
+        return Constraint(ConstraintKind.JSON_OBJECT, source=which) if message.json_object else None
+    if which == "choice":
+        options = message.choice.options
+        if len(options) > LIMITS.max_choice_options:  # its length first: a long list is not converted
+            bad.append(("choice", f"at most {LIMITS.max_choice_options} choices, got {len(options)}"))
+            return None
+        return Constraint(ConstraintKind.CHOICE, choices=tuple(options), source="choice.options")
+    return Constraint(ConstraintKind(which), getattr(message, which), source=which)
 
 
 def to_response(delta: Delta) -> pb.GenerateResponse:

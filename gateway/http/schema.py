@@ -1,17 +1,19 @@
 """The OpenAI-compatible HTTP API's bodies, as pydantic models (they document ``/openapi.json``).
 
-Requests accept what OpenAI's chat and completions endpoints accept. Fields Loom ignores by design
-(unknown ones) are dropped; fields whose meaning Loom cannot honour (tools, images, audio, logit
-bias...) are refused by name in ``unsupported_fields``, because silently ignoring them would return an
-answer the client did not ask for. Loom's own ``priority`` and ``top_k`` ride as extra body fields, as
-vLLM's extensions do.
+Requests accept what OpenAI's chat and completions endpoints accept, tools and response formats
+included. Fields Loom ignores by design (unknown ones) are dropped; fields whose meaning Loom cannot
+honour (images, audio, logit bias...) are refused by name in ``unsupported_fields``, because silently
+ignoring them would return an answer the client did not ask for. Loom's own ``priority`` and ``top_k``
+ride as extra body fields, as vLLM's extensions do, and so do vLLM's output constraints
+(``structured_outputs``, and the older ``guided_json``, ``guided_regex``, ``guided_choice`` and
+``guided_grammar``).
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from common import Priority
 from protocol.limits import LIMITS
@@ -20,6 +22,7 @@ from protocol.limits import LIMITS
 # before a per-element error is made for it (a list of a million wrong items would otherwise make a
 # million errors, each a Python object, before any of our checks ran).
 MAX_CONTENT_PARTS = 256
+MAX_TOOLS = 128
 
 
 class _Body(BaseModel):
@@ -38,6 +41,36 @@ class ChatMessageIn(BaseModel):
     role: str
     # Parts are checked by ``unsupported_fields``, one violation per bad part at most.
     content: str | Annotated[list[Any], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    tool_calls: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool result's call
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's output constraints (``structured_outputs``); exactly one may be set."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: Annotated[list[str], Field(max_length=LIMITS.max_choice_options)] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _Sampling(_Body):
@@ -53,10 +86,31 @@ class _Sampling(_Body):
     user: str | None = Field(None, description="your end-user's id: logged with the request id")
     priority: Priority | None = Field(None, description="Loom: a hint, capped by the tenant's ceiling")
     request_id: str | None = Field(None, description="Loom: echoed; the admission's idempotency key")
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = Field(None, description="vLLM: one output constraint")
+    guided_json: dict[str, Any] | str | None = Field(None, description="vLLM (older): a JSON schema")
+    guided_regex: str | None = Field(None, description="vLLM (older): a regular expression")
+    guided_choice: Annotated[list[str], Field(max_length=LIMITS.max_choice_options)] | None = Field(
+        None, description="vLLM (older): the output is one of these"
+    )
+    guided_grammar: str | None = Field(None, description="vLLM (older): a Lark or GBNF grammar")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: Annotated[list[ChatMessageIn], Field(max_length=LIMITS.max_messages)]
+    tools: Annotated[list[Any], Field(max_length=MAX_TOOLS)] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    _tool_plan: Any = PrivateAttr(None)  # what tools and tool_choice mean (gateway/http/tools.py)
+
+    @property
+    def tool_plan(self) -> Any:
+        return self._tool_plan
+
+    @tool_plan.setter
+    def tool_plan(self, plan: Any) -> None:
+        self._tool_plan = plan
+
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
@@ -86,11 +140,8 @@ class CompletionRequest(_Sampling):
 # Fields that change what the answer means, which Loom cannot honour: refused by name, never ignored.
 # Each maps to the value that means "not used" (a request may send that value).
 _UNSUPPORTED: dict[str, Any] = {
-    "tools": None,
-    "tool_choice": None,
-    "functions": None,
+    "functions": None,  # the deprecated form of tools
     "function_call": None,
-    "response_format": None,
     "audio": None,
     "prediction": None,
     "web_search_options": None,
@@ -108,17 +159,17 @@ def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[
     extra = body.model_extra or {}
     for name, off in _UNSUPPORTED.items():
         value = extra.get(name, off)
-        if value not in (off, None, {}, []) and not _plain_text_format(name, value):
-            bad.append((name, "is not supported by Loom"))
+        if value not in (off, None, {}, []):
+            bad.append(
+                (name, "is not supported by Loom" + (" (use tools)" if name.startswith("func") else ""))
+            )
     modalities = extra.get("modalities")
     if modalities not in (None, ["text"]):
         bad.append(("modalities", "only text output is supported"))
     if isinstance(body, ChatCompletionRequest):
         for i, m in enumerate(body.messages):
-            if m.role in ("tool", "function"):
-                bad.append(
-                    (f"messages[{i}].role", f"{m.role!r} messages need tools, which Loom does not support")
-                )
+            if m.role == "function":
+                bad.append((f"messages[{i}].role", "'function' messages are not supported (use tools)"))
             for j, part in enumerate(m.content if isinstance(m.content, list) else []):
                 if not isinstance(part, dict):
                     bad.append((f"messages[{i}].content[{j}]", "must be a content part object"))
@@ -141,7 +192,7 @@ def unsupported_fields(body: ChatCompletionRequest | CompletionRequest) -> list[
 def compact_extras(body: BaseModel) -> None:
     """Keep of the fields the schema does not declare only what ``unsupported_fields`` reads, each
     value cut to what decides its verdict: unknown fields are ignored by design, and a field such
-    as ``tools`` may hold a hundred thousand items that would otherwise be kept, and copied."""
+    as ``functions`` may hold a hundred thousand items that would otherwise be kept, and copied."""
     extra = body.model_extra
     if not extra:
         return
@@ -151,18 +202,11 @@ def compact_extras(body: BaseModel) -> None:
 
 
 def _verdict_value(name: str, value: Any) -> Any:
-    if name == "response_format" and isinstance(value, dict):
-        return {"type": value.get("type")} if value.get("type") == "text" else {"set": True}
     if name == "modalities" and isinstance(value, list) and len(value) <= 4:
         return value
     if isinstance(value, (list, dict)):
         return value if not value else ["set"]  # empty means "not used"; anything else is refused
     return value
-
-
-def _plain_text_format(name: str, value: Any) -> bool:
-    """``response_format: {"type": "text"}`` asks for what Loom does anyway."""
-    return name == "response_format" and isinstance(value, dict) and value.get("type") == "text"
 
 
 # ---- responses -------------------------------------------------------------------------------------
@@ -193,9 +237,21 @@ class ChatLogprobs(BaseModel):
     content: list[TokenLogprobOut]
 
 
+class FunctionCallOut(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallOut(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCallOut
+
+
 class AssistantMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCallOut] | None = None
 
 
 class ChatChoice(BaseModel):

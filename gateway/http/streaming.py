@@ -52,17 +52,18 @@ async def stream_answer(
 
     async def events() -> AsyncIterator[bytes]:
         started: set[int] = set()
-        offsets: dict[int, int] = {}
+        state = endpoint.stream_state(body)
         async with contextlib.aclosing(deltas):
             delta: Delta | None = first
             try:
                 while delta is not None:
-                    choice = endpoint.chunk_choice(delta, delta.index not in started, offsets)
+                    choice = endpoint.chunk_choice(delta, delta.index not in started, state)
                     started.add(delta.index)
-                    chunk = {**header, "choices": [choice]}
-                    if include_usage:
-                        chunk["usage"] = None
-                    yield sse(chunk)
+                    if choice is not None:
+                        chunk = {**header, "choices": [choice]}
+                        if include_usage:
+                            chunk["usage"] = None
+                        yield sse(chunk)
                     if delta.usage is not None and include_usage:
                         yield sse({**header, "choices": [], "usage": usage_json(delta)})
                     delta = await anext(deltas, None)
@@ -93,9 +94,7 @@ async def whole_answer(
 
     await unless_client_leaves(collect(), request)
     assert last is not None and last.usage is not None
-    answer = endpoint.whole(
-        last.request_id, body.model, choices, usage_json(last), endpoint.wants_logprobs(body)
-    )
+    answer = endpoint.whole(last.request_id, body, choices, usage_json(last))
     return JSONResponse(answer.model_dump(), headers={"X-Request-Id": last.request_id})
 
 

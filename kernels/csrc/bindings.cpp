@@ -18,6 +18,9 @@ int64_t dense_gate_width();
 torch::Tensor dense_pack_gated(torch::Tensor w);
 void dense_gated_cpu(torch::Tensor x, torch::Tensor packed, torch::Tensor out, bool split);
 void argmax_rows_cpu(torch::Tensor logits, torch::Tensor ids, torch::Tensor finite);
+void masked_argmax_cpu(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor ids,
+                       torch::Tensor any);
+void apply_token_bitmask_cpu(torch::Tensor logits, torch::Tensor rows, torch::Tensor bitmask, torch::Tensor any);
 void write_kv_cpu(torch::Tensor key, torch::Tensor value, torch::Tensor k_cache, torch::Tensor v_cache,
                   torch::Tensor slots);
 
@@ -36,6 +39,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_pack", &dense_pack, nogil, "pack an fp32 weight [N, K] into 32-column panels for dense_cpu");
   m.def("dense_cpu", &dense_cpu, nogil, "out = x @ W.T (+ bias) from a packed fp32 weight (CPU, AVX-512)");
   m.def("argmax_rows", &argmax_rows_cpu, nogil, "each row's first maximum and whether it is all finite (CPU, fp32)");
+  m.def("masked_argmax", &masked_argmax_cpu, nogil, "each masked row's first maximum among its allowed tokens (CPU)");
+  m.def("apply_token_bitmask", &apply_token_bitmask_cpu, nogil, "disallowed tokens of masked rows to -inf (CPU)");
   m.def("dense_gate_width", &dense_gate_width, "gate (and up) columns per paired panel; 0 without the kernel");
   m.def("dense_pack_gated", &dense_pack_gated, nogil, "pack a gated MLP's [gate; up] fp32 weight into paired panels");
   m.def("dense_gated_cpu", &dense_gated_cpu, nogil, "silu(x @ gate.T) * (x @ up.T), or with split [gate | up] (CPU)");

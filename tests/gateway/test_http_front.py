@@ -151,11 +151,17 @@ async def test_each_refusal_maps_to_the_sdks_exception(gateway: Gateway) -> None
     with pytest.raises(openai.BadRequestError) as bad:
         await ok.chat.completions.create(model=TINY, temperature=3.5, **chat)
     assert bad.value.body["param"] == "temperature" and bad.value.body["type"] == "invalid_request_error"
-    with pytest.raises(openai.BadRequestError) as tools:
+    with pytest.raises(openai.BadRequestError) as functions:
+        await ok.chat.completions.create(model=TINY, functions=[{"name": "f", "parameters": {}}], **chat)
+    assert functions.value.body["param"] == "functions"  # the deprecated form: refused, pointing to tools
+    with pytest.raises(openai.BadRequestError) as choice:
         await ok.chat.completions.create(
-            model=TINY, tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}], **chat
+            model=TINY,
+            tools=[{"type": "function", "function": {"name": "f", "parameters": {}}}],
+            tool_choice={"type": "function", "function": {"name": "g"}},
+            **chat,
         )
-    assert tools.value.body["param"] == "tools"
+    assert choice.value.body["param"] == "tool_choice"
     with pytest.raises(openai.BadRequestError) as image:
         await ok.chat.completions.create(
             model=TINY,
