@@ -20,6 +20,8 @@ from typing import TYPE_CHECKING, Any
 from protocol.limits import LIMITS, Violation
 
 if TYPE_CHECKING:
+    from llguidance._lib import JsonCompileOptions
+
     from protocol.tokenizer import Tokenizer
 
 
@@ -55,7 +57,11 @@ class Constraint:
 
 # JSON as models mostly saw it (", " and ": "), and no free whitespace: with flexible whitespace a
 # model may emit spaces until max_tokens, which parses nowhere.
-_JSON_OPTIONS: dict[str, Any] = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_JSON_OPTIONS: JsonCompileOptions = {
+    "whitespace_flexible": False,
+    "item_separator": ", ",
+    "key_separator": ": ",
+}
 
 
 def _limits() -> Any:
@@ -103,7 +109,11 @@ def grammar_text(c: Constraint) -> str:
             schema = json.loads(c.spec)
         except (ValueError, RecursionError):
             raise ValueError("the schema is not valid JSON") from None
-        if not isinstance(schema, (dict, bool)):
+        if schema is False:
+            raise ValueError("the schema false admits no value")
+        if schema is True:  # any JSON value; llguidance applies its options to object schemas only
+            schema = {}
+        if not isinstance(schema, dict):
             raise ValueError("a JSON schema must be an object")
         return str(LLMatcher.grammar_from_json_schema(schema, defaults=_JSON_OPTIONS))
     if c.kind is ConstraintKind.JSON_OBJECT:

@@ -103,11 +103,12 @@ class Grammars:
                 matcher = _Broken(str(exc))
             self.build_seconds.append(time.perf_counter() - started)
             with self._lock:
+                # A grammar that cannot be built is kept too: the verdict is deterministic, and
+                # forgetting it would build it again for every admission attempt.
                 self._builds.pop(key, None)
-                if not matcher.is_error():
-                    self._built[key] = matcher
-                    while len(self._built) > _KEPT_GRAMMARS:
-                        self._built.popitem(last=False)
+                self._built[key] = matcher
+                while len(self._built) > _KEPT_GRAMMARS:
+                    self._built.popitem(last=False)
             return matcher
         finally:
             self.on_ready()

@@ -53,7 +53,9 @@ class Sequence:
     def from_request(cls, req: GenerationRequest, eos_token_ids: Iterable[int] = ()) -> Sequence:
         params = req.sampling
         stop = set(params.stop_token_ids)
-        if not params.ignore_eos:
+        # A grammar's end is the output's end: a constrained row stops at the end-of-sequence token
+        # the grammar allows only once it is complete, ignore_eos or not.
+        if not params.ignore_eos or params.constraint is not None:
             stop.update(eos_token_ids)
         # An adapter changes every K/V it touches: its prefix-cache entries are its own, never the
         # base model's or another adapter's.

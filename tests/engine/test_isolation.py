@@ -46,7 +46,9 @@ def test_non_finite_logits_fail_only_their_own_request(
     alone = engine.run_to_completion(others)
     calls = {"poisoned": 0}
 
-    def faulty_sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any]) -> list[Any]:
+    def faulty_sample(
+        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], masks: Any = None
+    ) -> list[Any]:
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.seed == POISON_SEED:
@@ -264,7 +266,9 @@ def test_every_ended_request_counts_once_as_finished(
     """A gate rejection, a non-finite row and a normal end each count one finished request."""
     engine = LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256, max_loras=1), tiny)
 
-    def faulty_sample(logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any]) -> list[Any]:
+    def faulty_sample(
+        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], masks: Any = None
+    ) -> list[Any]:
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.seed == POISON_SEED:
