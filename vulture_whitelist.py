@@ -66,3 +66,13 @@ _one_text_prompt  # gateway.http.schema.CompletionRequest
 # pytest fixtures requested by name (continued).
 folder_ray  # tests/faults/conftest.py
 nan_buffers  # tests/kernels/test_triton_lora.py
+
+# Request-body fields read by name (getattr over a list of names) in gateway.http.endpoints, or
+# accepted for the OpenAI shape and not needed (a tool message's tool_call_id: results are matched
+# to calls by their order in the conversation, as the model's chat template does).
+json_  # gateway.http.schema.StructuredOutputs
+guided_json  # gateway.http.schema._Sampling
+guided_regex  # gateway.http.schema._Sampling
+guided_choice  # gateway.http.schema._Sampling
+guided_grammar  # gateway.http.schema._Sampling
+tool_call_id  # gateway.http.schema.ChatMessageIn
