@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_lora,
         bench_served,
         bench_stream_cost,
+        bench_structured,
         calibrate,
         loadtest_cli,
         sim_experiments,
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_isolation.register(bench_sub)  # loom bench isolation
     bench_served.register(bench_sub)  # loom bench served
     bench_stream_cost.register(bench_sub)  # loom bench stream-cost
+    bench_structured.register(bench_sub)  # loom bench structured
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser
