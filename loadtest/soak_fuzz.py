@@ -36,8 +36,16 @@ from protocol.limits import LIMITS
 
 GENERATE = "/loom.v1.Inference/Generate"
 
-GRPC_KINDS = ("grpc_fields", "grpc_bytes", "grpc_metadata", "grpc_key", "grpc_lists")
-HTTP_KINDS = ("http_body", "http_bytes", "http_key", "http_lists", "http_slow", "http_flood")
+GRPC_KINDS = ("grpc_fields", "grpc_bytes", "grpc_metadata", "grpc_key", "grpc_lists", "grpc_constraints")
+HTTP_KINDS = (
+    "http_body",
+    "http_bytes",
+    "http_key",
+    "http_lists",
+    "http_slow",
+    "http_flood",
+    "http_constraints",
+)
 
 # Refusals a client may get for something it sent; anything else is the server's fault (or, for
 # UNAVAILABLE and DEADLINE_EXCEEDED in a fuzz run, a sign that the server stopped answering).
@@ -81,7 +89,9 @@ class Case:
     headers: tuple[tuple[str, str | bytes], ...] = ()  # gRPC metadata or HTTP headers
     method: str = "POST"  # HTTP only
     path: str = ""  # HTTP only
-    must_refuse: bool = False  # a near-miss key: serving it would let the wrong caller in
+    # Serving it would be wrong: a near-miss key (it would let the wrong caller in), an output
+    # constraint past its limits or not well-formed.
+    must_refuse: bool = False
     note: str = ""  # what the case does, for reports
     copies: int = 1  # a flood: this many sent at once
 
@@ -372,6 +382,9 @@ def grpc_case(rng: random.Random, target: Target, kind: str) -> Case:
     if kind == "grpc_lists":
         body, note = grpc_list_body(rng, target.model)
         return Case(kind, body, (auth,), note=note)
+    if kind == "grpc_constraints":
+        body, note, refuse = grpc_constraint_body(rng, target.model)
+        return Case(kind, body, (auth,), must_refuse=refuse, note=note)
     # grpc_metadata: oversized or odd metadata around a valid request
     pick = rng.randrange(5)
     body = _ok_body(rng, target.model)
@@ -438,6 +451,216 @@ def http_list_body(rng: random.Random, model: str) -> tuple[dict[str, Any], str,
     else:
         body["logit_bias"] = {str(i): 1 for i in range(n)}
     return body, f"{n} {where}", True
+
+
+# ---- output constraints: pathological, oversized, malformed ------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConstraintSpec:
+    """One output constraint, front-neutral: ``kind`` is json_schema, json_object, regex, choice or
+    grammar; ``value`` is what the field holds (schema as an object where JSON allows it)."""
+
+    kind: str
+    value: Any
+    note: str
+    must_refuse: bool = False
+
+
+def _nested_schema(depth: int) -> dict[str, Any]:
+    schema: dict[str, Any] = {"type": "integer"}
+    for i in range(depth):
+        schema = {"type": "object", "properties": {f"k{i}": schema}, "required": [f"k{i}"]}
+    return schema
+
+
+def constraint_spec(rng: random.Random) -> ConstraintSpec:
+    """A constraint from one of the classes a hostile tenant may send: well-formed ones of every kind,
+    schemas whose grammar explodes (long enums, deep nesting, huge bounds and repeats, cycles),
+    every size at and past its limit, malformed specs, and wrong types."""
+    limit = LIMITS.max_constraint_bytes
+    pick = rng.randrange(12)
+    if pick == 0:  # ordinary, and served
+        return rng.choice(
+            [
+                ConstraintSpec(
+                    "json_schema", {"type": "object", "properties": {"a": {"type": "integer"}}}, "ok schema"
+                ),
+                ConstraintSpec("json_object", True, "json object"),
+                ConstraintSpec("regex", "[a-z]{1,8}", "ok regex"),
+                ConstraintSpec("choice", ["yes", "no"], "ok choice"),
+                ConstraintSpec("grammar", 'start: "a" | "b"', "ok lark"),
+                ConstraintSpec("grammar", 'root ::= "a" | "b"', "ok gbnf"),
+            ]
+        )
+    if pick == 1:  # enums and choices at and past their limits
+        n = list_length(rng, LIMITS.max_choice_options)
+        if rng.random() < 0.5:
+            refuse = n == 0 or n > LIMITS.max_choice_options or n * 6 > limit
+            return ConstraintSpec("choice", [f"c{i:04d}" for i in range(n)], f"{n} choices", refuse)
+        size = len(json.dumps({"enum": [f"value-{i:05d}" for i in range(n)]}))
+        return ConstraintSpec(
+            "json_schema", {"enum": [f"value-{i:05d}" for i in range(n)]}, f"enum of {n}", size > limit
+        )
+    if pick == 2:  # deep nesting (past the JSON parser's recursion too)
+        depth = rng.choice([40, 200, 1000, 5000])
+        value = _nested_schema(depth)
+        size = len(json.dumps(value)) if depth < 1000 else limit + 1
+        return ConstraintSpec("json_schema", value, f"{depth} nested objects", size > limit)
+    if pick == 3:  # numeric fields at their extremes
+        bound = rng.choice([0, -1, 2**53, 2**64, 10**300, 1e308, -1e308, 0.5, 1e-300])
+        key = rng.choice(
+            ["maxLength", "minLength", "maxItems", "minItems", "minimum", "maximum", "multipleOf"]
+        )
+        typ = {"maxLength": "string", "minLength": "string", "maxItems": "array", "minItems": "array"}.get(
+            key, "number"
+        )
+        return ConstraintSpec("json_schema", {"type": typ, key: bound}, f"{key} {bound}")
+    if pick == 4:  # contradictions and cycles
+        return rng.choice(
+            [
+                ConstraintSpec(
+                    "json_schema", {"type": "integer", "minimum": 5, "maximum": 1}, "minimum > maximum"
+                ),
+                ConstraintSpec("json_schema", {"$ref": "#"}, "a $ref to itself"),
+                ConstraintSpec(
+                    "json_schema",
+                    {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
+                    "a $ref cycle",
+                ),
+                ConstraintSpec(
+                    "json_schema", {"type": "string", "pattern": "(a+)+$"}, "a backtracking pattern"
+                ),
+                ConstraintSpec(
+                    "json_schema", {"allOf": [{"type": "string"}, {"type": "integer"}]}, "allOf no value"
+                ),
+                ConstraintSpec("json_schema", False, "schema false", True),
+            ]
+        )
+    if pick == 5:  # repeats and automata that explode
+        return rng.choice(
+            [
+                ConstraintSpec("regex", "a{1000000}", "a repeat of a million"),
+                ConstraintSpec("regex", "(a|b)*a(a|b){30}", "a DFA of 2^31 states"),
+                ConstraintSpec("regex", "(a*)*b", "nested stars"),
+                ConstraintSpec(
+                    "json_schema", {"type": "string", "pattern": "^[a-z0-9]{200,50000}$"}, "a long pattern"
+                ),
+                ConstraintSpec("json_schema", {"type": "string", "maxLength": 10**9}, "maxLength 10^9"),
+            ]
+        )
+    if pick == 6:  # what the regex engine does not have
+        bad = rng.choice(["(?=a)b", "(a)\\1", "[z-a]", "(", "a{2,1}", "\\", "*", "(?<n>a)\\k<n>"])
+        return ConstraintSpec("regex", bad, f"regex {bad!r}", bad != "\\")  # a lone backslash is a literal
+    if pick == 7:  # grammars: malformed, undefined, left-recursive, ambiguous
+        return rng.choice(
+            [
+                ConstraintSpec("grammar", "start: undefined_rule", "an undefined rule", True),
+                ConstraintSpec("grammar", "start: (", "a Lark syntax error", True),
+                ConstraintSpec("grammar", "root ::= (", "a GBNF syntax error", True),
+                ConstraintSpec("grammar", 'start: s\ns: s s s | s s | "a" | ""', "an ambiguous grammar"),
+                ConstraintSpec(
+                    "grammar", "start: " + " | ".join(f'"w{i}"' for i in range(3000)), "3,000 alternatives"
+                ),
+            ]
+        )
+    if pick == 8:  # every kind at its size limit and past it
+        kind = rng.choice(["regex", "grammar", "json_schema"])
+        size = rng.choice([limit, limit + 1, 1_000_000])
+        if kind == "regex":
+            value: Any = "a" * size
+        elif kind == "grammar":
+            value = 'start: "' + "a" * (size - 10) + '"'
+        else:
+            value = {"description": "x" * (size - 20)}
+        over = len(value if isinstance(value, str) else json.dumps(value)) > limit
+        return ConstraintSpec(kind, value, f"a {kind} of {size} bytes", over)
+    if pick == 9:  # empty and odd text
+        kind = rng.choice(["regex", "grammar", "json_schema", "choice"])
+        value = (
+            rng.choice(["", text(rng), "\x00", "\ud800"])
+            if kind != "choice"
+            else [rng.choice(["", text(rng)])]
+        )
+        return ConstraintSpec(kind, value, f"{kind} of odd text")
+    if pick == 10:  # a schema that is not JSON, or not an object
+        return ConstraintSpec(
+            "json_schema", rng.choice(["{oops", "[1, 2]", "42", '"text"', "null"]), "not a schema", True
+        )
+    return ConstraintSpec(
+        rng.choice(["json_schema", "regex", "choice", "grammar"]), json_value(rng), "a random value"
+    )
+
+
+def _grpc_constraint(r: Any, spec: ConstraintSpec) -> bool:
+    """Sets ``spec`` on a GenerateRequest; False where proto's types cannot hold it."""
+    value = spec.value
+    if spec.kind == "json_object":
+        r.json_object = bool(value)
+    elif spec.kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            return False
+        r.choice.options.extend(value)
+    elif spec.kind == "json_schema":
+        r.json_schema = value if isinstance(value, str) else json.dumps(value)
+    elif isinstance(value, str):
+        setattr(r, spec.kind, value)
+    else:
+        return False
+    return True
+
+
+def grpc_constraint_body(rng: random.Random, model: str) -> tuple[bytes, str, bool]:
+    r = pb.GenerateRequest(model=model, max_tokens=rng.choice([1, 4]), prompt="hi")
+    spec = constraint_spec(rng)
+    try:
+        ok = _grpc_constraint(r, spec)
+    except (ValueError, TypeError):  # a lone surrogate: protobuf will not encode it
+        ok = False
+    if not ok:
+        spec = ConstraintSpec("regex", "[a-z]{1,8}", "ok regex")
+        _grpc_constraint(r, spec)
+    return r.SerializeToString(), spec.note, spec.must_refuse
+
+
+def _tool(rng: random.Random, parameters: Any) -> dict[str, Any]:
+    name = rng.choice(["get_weather", "f", "", "x" * 300, "bad name!"])
+    return {"type": "function", "function": {"name": name, "parameters": parameters}}
+
+
+def http_constraint_body(rng: random.Random, model: str) -> tuple[dict[str, Any], str, bool]:
+    """A chat body with one constraint where the OpenAI or vLLM API puts it, or a tool set."""
+    spec = constraint_spec(rng)
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": rng.choice([1, 4]),
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    schema = spec.value if spec.kind == "json_schema" else {"type": "object"}
+    where = rng.randrange(6)
+    if where == 0 and spec.kind in ("json_schema", "json_object"):
+        body["response_format"] = (
+            {"type": "json_object"}
+            if spec.kind == "json_object"
+            else {"type": "json_schema", "json_schema": {"name": "r", "schema": schema, "strict": True}}
+        )
+    elif where == 1:
+        key = "json" if spec.kind == "json_schema" else spec.kind
+        body["structured_outputs"] = {key: spec.value}
+    elif where == 2 and spec.kind != "json_object":
+        body[f"guided_{'json' if spec.kind == 'json_schema' else spec.kind}"] = spec.value
+    elif where in (3, 4):  # the schema as a tool's parameters, the tools at and past their limit
+        n = rng.choice([1, 1, 2, 128, 129])
+        body["tools"] = [_tool(rng, schema)] * n
+        body["tool_choice"] = rng.choice(
+            ["auto", "required", "none", {"type": "function", "function": {"name": "f"}}, "any"]
+        )
+        return body, f"{n} tools with {spec.note}", n > 128
+    else:  # two constraints at once
+        body["response_format"] = {"type": "json_object"}
+        body["structured_outputs"] = {"regex": "[a-z]+"}
+        return body, "two constraints", True
+    return body, spec.note, spec.must_refuse
 
 
 # ---- slow and half-sent connections ----------------------------------------------------------------
@@ -620,6 +843,10 @@ def http_case(rng: random.Random, target: Target, kind: str) -> Case:
         body, note, chat = http_list_body(rng, target.model)
         path = "/v1/chat/completions" if chat else "/v1/completions"
         return Case(kind, _json_bytes(rng, body), (auth, json_type), path=path, note=note)
+    if kind == "http_constraints":
+        body, note, refuse = http_constraint_body(rng, target.model)
+        raw = _json_bytes(rng, body)
+        return Case(kind, raw, (auth, json_type), path="/v1/chat/completions", must_refuse=refuse, note=note)
     if kind == "http_slow":
         raw, note = slow_request(rng, target)
         return Case(kind, raw, path="/v1/completions", note=note)
@@ -800,7 +1027,7 @@ def problems(outcome: Outcome) -> list[str]:
     """What is wrong with an answer (empty: nothing)."""
     case, found = outcome.case, []
     if case.must_refuse and outcome.code in ("OK", "HTTP 200"):
-        found.append(f"served a near-miss key ({case.note})")
+        found.append(f"served what must be refused ({case.note})")
     if case.front == "grpc" and outcome.code not in GRPC_CODES | {"client-refused"}:
         found.append(f"gRPC {outcome.code}")
     if outcome.message.startswith("Stream removed (received metadata size exceeds"):

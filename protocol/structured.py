@@ -85,6 +85,8 @@ def size_violations(c: Constraint) -> list[Violation]:
     limit = LIMITS.max_constraint_bytes
     if len(c.spec) > limit or len(c.spec.encode("utf-8", "surrogatepass")) > limit:
         bad.append((c.field_name, f"is longer than {limit} bytes"))
+    elif not _is_utf8(c.spec) or not all(_is_utf8(s) for s in c.choices if isinstance(s, str)):
+        bad.append((c.field_name, "is not valid Unicode text (it holds a lone surrogate)"))
     if c.kind is ConstraintKind.CHOICE:
         if not c.choices:
             bad.append((c.field_name, "needs at least one choice"))
@@ -97,6 +99,14 @@ def size_violations(c: Constraint) -> list[Violation]:
     elif c.kind in (ConstraintKind.JSON_SCHEMA, ConstraintKind.REGEX, ConstraintKind.GRAMMAR) and not c.spec:
         bad.append((c.field_name, "is empty"))
     return bad
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def grammar_text(c: Constraint) -> str:
@@ -181,5 +191,11 @@ def new_matcher(c: Constraint, lltokenizer: Any) -> Any:
 def error_summary(message: str) -> str:
     """llguidance's message without the grammar excerpt it quotes below (that is the client's text),
     bounded."""
-    line = message.strip().splitlines()[0] if message.strip() else "the grammar is not supported"
-    return line[:300]
+    lines = [line.strip() for line in message.strip().splitlines()]
+    if not lines:
+        return "the grammar is not supported"
+    # The reason, where the library gives it on a line of its own (a regex's "error: ..."), joins
+    # the first line; the excerpt lines between them are dropped.
+    reason = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    head = lines[0].rstrip(":")
+    return (f"{head}: {reason}" if reason else head)[:300]

@@ -1,6 +1,6 @@
 """Fuzzing both fronts of the real server: random GenerateRequest fields, raw protobuf bodies (garbage,
 truncated, invalid UTF-8 in every string field), random chat/completions JSON bodies and raw bytes,
-oversized or odd metadata, near-miss API keys.
+oversized or odd metadata, near-miss API keys, hostile output constraints and tools.
 
 The cases come from loadtest/soak_fuzz.py (``loom soak --fuzz N`` sends the same kinds by the ten
 thousand); here hypothesis drives their random choices, derandomized so CI runs the same few hundred
@@ -174,6 +174,26 @@ async def test_a_tenants_flood_of_large_prompts_is_bounded(
     sender: Sender, fuzzed: Fuzzed, rng: random.Random
 ) -> None:
     await check(sender, make_case(rng, fuzzed.target, "http_flood"))
+
+
+@settings(FUZZ, max_examples=60)
+@given(rng=RNG, front=st.sampled_from(["grpc_constraints", "http_constraints"]))
+async def test_output_constraints_pathological_oversized_and_malformed(
+    sender: Sender, fuzzed: Fuzzed, rng: random.Random, front: str
+) -> None:
+    """Every constraint the generator makes (long enums, deep nesting, numeric bounds at their
+    extremes, exploding repeats, $ref cycles, ambiguous grammars, each kind at its size limit and
+    past it, malformed specs, tools past their count): OK or a short, precise refusal, and one past
+    a limit or not well-formed is never served."""
+    case = make_case(rng, fuzzed.target, front)
+    outcome = await sender.send(case)
+    assert problems(outcome) == [], (case.note, outcome.code, outcome.message[:300])
+    assert len(outcome.message) < 4096, case.note
+    if case.must_refuse:  # refused as bad input (or for the tenant's quota, which comes later)
+        assert outcome.code in ("INVALID_ARGUMENT", "HTTP 400", "RESOURCE_EXHAUSTED", "HTTP 429"), (
+            case.note,
+            outcome.code,
+        )
 
 
 # ---- keys ---------------------------------------------------------------------------------------------
