@@ -50,10 +50,17 @@ class ConstraintChecks:
             raise invalid_argument(bad)
 
     async def _run(self, tokenizer: Tokenizer, constraint: Constraint) -> tuple[list[Violation], bool]:
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
         def work() -> list[Violation]:
+            loop.call_soon_threadsafe(started.set)
             return grammar_violations(constraint, grammar_tokenizer(tokenizer))
 
-        future = asyncio.get_running_loop().run_in_executor(_CHECK_THREADS, work)
+        future = loop.run_in_executor(_CHECK_THREADS, work)
+        # The deadline counts the check's own time, not its wait for a thread: another tenant's
+        # checks ahead of it must not make this one "too costly".
+        await started.wait()  # work() sets it first thing
         try:
             return await asyncio.wait_for(asyncio.shield(future), self.timeout_s), True
         except TimeoutError:

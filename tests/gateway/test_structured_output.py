@@ -222,6 +222,41 @@ async def test_a_conversation_with_earlier_tool_results_is_served(gateway: Gatew
     assert answer.choices[0].message.content and answer.choices[0].message.tool_calls is None
 
 
+async def test_auto_lets_the_model_choose_and_either_answer_is_well_formed(gateway: Gateway) -> None:
+    """With tool_choice auto the model decides. Whatever it wrote, streamed and whole agree: text as
+    content, or calls of listed tools whose arguments parse (the shaper's own cases are in
+    tests/gateway/test_tools.py)."""
+    _, key = await gateway.tenant()
+    client = gateway.openai(key)
+    asks = [WEATHER_Q, [{"role": "user", "content": "Say hello to me."}]]
+    for messages in asks:
+        whole = await client.chat.completions.create(
+            model=SMOL, messages=messages, tools=[WEATHER, TIME], max_tokens=60, temperature=0
+        )
+        choice = whole.choices[0]
+        calls = choice.message.tool_calls or []
+        if calls:
+            assert choice.finish_reason == "tool_calls"
+            for call in calls:
+                assert call.function.name in ("get_weather", "get_time")
+                json.loads(call.function.arguments)
+        else:
+            assert choice.finish_reason in ("stop", "length") and choice.message.content
+            assert "<tool_call>" not in choice.message.content or choice.finish_reason == "length"
+        stream = await client.chat.completions.create(
+            model=SMOL, messages=messages, tools=[WEATHER, TIME], max_tokens=60, temperature=0, stream=True
+        )
+        text, names, finish = "", [], None
+        async for chunk in stream:
+            delta = chunk.choices[0].delta
+            text += delta.content or ""
+            names += [d.function.name for d in delta.tool_calls or () if d.function.name]
+            finish = chunk.choices[0].finish_reason or finish
+        assert finish == choice.finish_reason and names == [c.function.name for c in calls]
+        if not calls:
+            assert text == choice.message.content
+
+
 async def test_vllm_constraints_regex_choice_and_grammar(gateway: Gateway) -> None:
     _, key = await gateway.tenant()
     client = gateway.openai(key)
