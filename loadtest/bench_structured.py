@@ -7,7 +7,8 @@ a bounded integer, an array of strings, then a long free-text field, so that no 
 run does and every row's grammar passes through keys, numbers and free text). Step times are those of
 the steps in which every row of the full batch decoded one token (the engine's step observer), in
 interleaved repetitions so that drift on the machine falls on every fraction alike. The overhead of a
-fraction is its median step time over the unconstrained run's.
+fraction is its median step time over the unconstrained run's; beside it, the step's time filling
+masks (``StepTrace.grammar_s``), which is free of the run-to-run noise of whole steps.
 
 Rows without a constraint pay only the grammar table's look-up (is any row of this step constrained,
 and is this sampled row): that cost is measured directly, per step at the batch size, against the
@@ -79,8 +80,10 @@ def _compile_schemas() -> dict[str, dict[str, Any]]:
     }
 
 
-def _run(engine: LLMEngine, items: list[Any], fraction: float, decode_tokens: int, tag: str) -> list[float]:
-    """Step times (s) of the steps in which the whole batch decoded."""
+def _run(
+    engine: LLMEngine, items: list[Any], fraction: float, decode_tokens: int, tag: str
+) -> list[tuple[float, float]]:
+    """(step, mask filling) times (s) of the steps in which the whole batch decoded."""
     batch = len(items)
     constrained = round(batch * fraction)
     for i, w in enumerate(items):
@@ -89,11 +92,11 @@ def _run(engine: LLMEngine, items: list[Any], fraction: float, decode_tokens: in
         constraint = Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(_decode_schema(i % 4))) if on else None
         params = SamplingParams(max_tokens=decode_tokens, ignore_eos=True, constraint=constraint)
         engine.add_request(GenerationRequest(f"{tag}-{i}", w.prompt_ids, params))
-    steps: list[float] = []
+    steps: list[tuple[float, float]] = []
 
     def observe(trace: StepTrace) -> None:
         if len(trace.rows) == batch and all(r.num_tokens == 1 and r.samples for r in trace.rows):
-            steps.append(trace.step_s)
+            steps.append((trace.step_s, trace.grammar_s))
 
     remove = engine.add_step_observer(observe)
     try:
@@ -145,8 +148,8 @@ def _compile_ms(ckpt: Any, repeats: int) -> tuple[float, dict[str, dict[str, flo
 def run_benchmark(
     batches: tuple[int, ...] = (32, 64),
     fractions: tuple[float, ...] = (0.0, 0.25, 1.0),
-    decode_tokens: int = 48,
-    repeats: int = 2,
+    decode_tokens: int = 32,
+    repeats: int = 4,
     seed: int = 3,
     out_dir: Path | None = RESULTS_DIR,
     log: Any = print,
@@ -159,21 +162,26 @@ def run_benchmark(
         engine = LLMEngine(EngineConfig(max_num_seqs=batch), ckpt)
         items = make_workload(ckpt, batch, seed, max_output=4)
         _run(engine, items, 1.0, 8, f"warm{batch}")  # builds the grammars, warms the kernels
-        times: dict[float, list[float]] = {f: [] for f in fractions}
+        times: dict[float, list[tuple[float, float]]] = {f: [] for f in fractions}
         for rep in range(repeats):
             for f in fractions:
                 times[f] += _run(engine, items, f, decode_tokens, f"b{batch}-{f}-{rep}")
-        base = statistics.median(times[0.0]) if 0.0 in times else None
+        base = statistics.median(s for s, _ in times[0.0]) if 0.0 in times else None
         plain_us = _unconstrained_path_us(engine, items)
         for f in fractions:
-            median = statistics.median(times[f])
+            median = statistics.median(s for s, _ in times[f])
+            masks = statistics.median(m for _, m in times[f])
             runs[f"batch {batch}, {f:.0%} constrained"] = {
                 "batch": batch,
                 "constrained_fraction": f,
                 "steps": len(times[f]),
                 "step_ms_median": round(median * 1000, 2),
-                "step_ms_mean": round(statistics.fmean(times[f]) * 1000, 2),
+                "step_ms_mean": round(statistics.fmean(s for s, _ in times[f]) * 1000, 2),
                 "overhead": None if base is None else round(median / base - 1, 4),
+                "mask_ms_median": round(masks * 1000, 3),
+                "mask_ms_mean": round(statistics.fmean(m for _, m in times[f]) * 1000, 3),
+                "mask_ms_max": round(max(m for _, m in times[f]) * 1000, 3),
+                "mask_of_step": round(statistics.fmean(m for _, m in times[f]) / median, 4),
             }
             log(f"batch {batch}, {f:.0%} constrained: {median * 1000:.1f} ms/step")
         if base is not None:
@@ -224,7 +232,7 @@ def _main(args: argparse.Namespace) -> int:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("structured", help="step time with 0%%, 25%% and 100%% of rows under a JSON schema")
     p.add_argument("--batches", type=int, nargs="+", default=[32, 64])
-    p.add_argument("--decode-tokens", type=int, default=48)
-    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--decode-tokens", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=4)
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.set_defaults(func=_main)

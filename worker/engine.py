@@ -70,7 +70,7 @@ class LLMEngine:
             else None
         )
         # Grammars first: a sequence waiting on its grammar must not hold an adapter slot meanwhile.
-        self.grammars = Grammars(ckpt.tokenizer, ckpt.config.vocab_size)
+        self.grammars = Grammars(ckpt.tokenizer, ckpt.config.vocab_size, parallel=self.device.type == "cuda")
         self.scheduler = scheduler_class(config.scheduler_cls)(
             SchedulerConfig(
                 config.max_num_seqs,
@@ -171,9 +171,10 @@ class LLMEngine:
             return rejected + ended
         self._failed_run, self._failed_run_tenants = 0, set()
         self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
-        forward_s = 0.0
+        forward_s = grammar_s = 0.0
         for part, result in parts:
             forward_s += result.forward_s
+            grammar_s += result.grammar_s
             # A row that got no token (non-finite logits, a sampling error, a grammar that failed), or
             # whose grammar refused its token, fails its own request only.
             for seq, reason in self.grammars.advance(result.sampled):
@@ -190,7 +191,7 @@ class LLMEngine:
             self.counters.finished += sum(1 for o in emitted if o.finished)
             ended += emitted
         if self._observers:
-            trace = StepTrace(rows, scheduled - started, forward_s, time.perf_counter() - started)
+            trace = StepTrace(rows, scheduled - started, forward_s, time.perf_counter() - started, grammar_s)
             for observe in self._observers:
                 observe(trace)
         return rejected + ended

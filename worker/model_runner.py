@@ -62,6 +62,7 @@ class StepOutput:
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # rows without a token, and why
     logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for requests that asked
     forward_s: float = 0.0  # the model's forward pass alone
+    grammar_s: float = 0.0  # filling the constrained rows' token masks
 
 
 class ModelRunner:
@@ -97,7 +98,9 @@ class ModelRunner:
             return out
         params = [s.sampling for s in sampled_seqs]
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
+        masked = time.perf_counter()
         masks = self.grammars.masks(sampled_seqs) if self.grammars is not None else None
+        out.grammar_s = time.perf_counter() - masked
         wants_lp = [row for row, s in enumerate(sampled_seqs) if s.sampling.logprobs is not None]
         # Log-probabilities are the model's, before any mask: the rows that ask keep a copy when a
         # mask may write into the logits.

@@ -26,6 +26,7 @@ class StepTrace:
     schedule_s: float  # choosing the batch (scheduler and block manager)
     forward_s: float  # the model's forward pass (on CUDA: its launch, not its completion)
     step_s: float  # the whole step, sampling, updates and detokenization included
+    grammar_s: float = 0.0  # filling output constraints' token masks (worker/grammars.py)
 
 
 StepObserver = Callable[[StepTrace], None]

@@ -21,6 +21,8 @@ from tests.gateway.conftest import SMOL, TINY, Gateway
 from tests.gateway.test_gateway_e2e import collect
 
 ASK = [{"role": "user", "content": "Describe a person you know, as data."}]
+# As OpenAI asks of json_object: the conversation itself asks for JSON.
+JSON_ASK = [{"role": "user", "content": 'Reply in JSON, as {"name": ..., "age": ...}: who wrote Hamlet?'}]
 
 
 def random_schema(rng: random.Random, depth: int = 0) -> dict[str, Any]:
@@ -86,11 +88,9 @@ async def test_generated_schemas_always_parse_and_validate(gateway: Gateway) -> 
 
 async def test_a_streamed_json_object_parses(gateway: Gateway) -> None:
     _, key = await gateway.tenant()
-    # As OpenAI asks of json_object: the conversation itself asks for JSON.
-    ask = [{"role": "user", "content": 'Reply in JSON, as {"name": ..., "age": ...}: who wrote Hamlet?'}]
     stream = await gateway.openai(key).chat.completions.create(
         model=SMOL,
-        messages=ask,
+        messages=JSON_ASK,
         max_tokens=200,
         temperature=0,
         stream=True,
@@ -294,10 +294,9 @@ async def test_vllm_constraints_regex_choice_and_grammar(gateway: Gateway) -> No
 
 async def test_n_choices_and_logprobs_under_a_constraint(gateway: Gateway) -> None:
     _, key = await gateway.tenant()
-    ask = [{"role": "user", "content": 'Reply in JSON, as {"name": ..., "age": ...}: who wrote Hamlet?'}]
     answer = await gateway.openai(key).chat.completions.create(
         model=SMOL,
-        messages=ask,
+        messages=JSON_ASK,
         max_tokens=150,
         temperature=0.9,
         seed=5,
