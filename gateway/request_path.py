@@ -464,6 +464,9 @@ class RequestPath:
                         lease.completion_tokens = sum(completion)
                         if index == 0:
                             cached = out.cached_prompt_tokens
+                        if out.finish_reason is FinishReason.ERROR and out.request_fault:
+                            field = v.constraint.field_name if v.constraint is not None else "request"
+                            raise invalid_argument([(field, out.error or "cannot be followed")])
                         if out.finish_reason is FinishReason.ERROR:
                             log.warning("engine failed request %s: %s", request.request_id, out.error)
                             raise GatewayError(

@@ -522,11 +522,12 @@ def constraint_spec(rng: random.Random) -> ConstraintSpec:
                 ConstraintSpec(
                     "json_schema", {"type": "integer", "minimum": 5, "maximum": 1}, "minimum > maximum"
                 ),
-                ConstraintSpec("json_schema", {"$ref": "#"}, "a $ref to itself"),
+                ConstraintSpec("json_schema", {"$ref": "#"}, "a $ref to itself", True),
                 ConstraintSpec(
                     "json_schema",
                     {"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"},
                     "a $ref cycle",
+                    True,
                 ),
                 ConstraintSpec(
                     "json_schema", {"type": "string", "pattern": "(a+)+$"}, "a backtracking pattern"

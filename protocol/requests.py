@@ -117,6 +117,9 @@ class RequestOutput:
     cached_prompt_tokens: int = 0
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+    # The error is the request's own (its output constraint cannot be followed): it would fail the
+    # same way anywhere, so it is not retried, and the caller is told it was its request.
+    request_fault: bool = False
 
     @property
     def finished(self) -> bool:

@@ -178,6 +178,15 @@ def grammar_violations(c: Constraint, lltokenizer: Any) -> list[Violation]:
     error = LLMatcher.validate_grammar(grammar, lltokenizer, limits=_limits())
     if error:
         return [(c.field_name, error_summary(error))]
+    # Some grammars are well-formed yet admit no output at all (a schema that only refers to
+    # itself): the first mask finds them, within the first step's fuel.
+    matcher = LLMatcher(lltokenizer, grammar, limits=_limits(), log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    if matcher.is_error():
+        reason = error_summary(matcher.get_error())
+        # A bare internal name (NoExtensionBias) says nothing to the client.
+        return [(c.field_name, "admits no output" + (f": {reason}" if " " in reason else ""))]
     return []
 
 
@@ -196,6 +205,8 @@ def error_summary(message: str) -> str:
         return "the grammar is not supported"
     # The reason, where the library gives it on a line of its own (a regex's "error: ..."), joins
     # the first line; the excerpt lines between them are dropped.
-    reason = next((line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), "")
+    reason = next(
+        (line.removeprefix("error:").strip() for line in lines[1:] if line.startswith("error:")), ""
+    )
     head = lines[0].rstrip(":")
     return (f"{head}: {reason}" if reason else head)[:300]

@@ -122,7 +122,9 @@ class ServeEnginePool:
                         call_ended = True
                         continue
                     out = item
-                    failed_first = not delivered and out.finish_reason is FinishReason.ERROR
+                    failed_first = (
+                        not delivered and out.finish_reason is FinishReason.ERROR and not out.request_fault
+                    )
                     if failed_first and errors < self.RETRIES_AFTER_ENGINE_ERROR:
                         errors += 1
                         finished = retry = True

@@ -133,7 +133,9 @@ class LLMEngine:
 
     def _final(self, seq: Sequence, reason: FinishReason, error: str | None = None) -> RequestOutput:
         self.counters.finished += 1
-        return self.outputs.final(seq, reason, error=error)
+        out = self.outputs.final(seq, reason, error=error)
+        out.request_fault = reason is FinishReason.ERROR and self.grammars.is_own_fault(seq)
+        return out
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -315,6 +317,7 @@ def merge_output(acc: dict[str, RequestOutput], out: RequestOutput) -> None:
     prev.completion_tokens = out.completion_tokens
     prev.cached_prompt_tokens = out.cached_prompt_tokens
     prev.error = out.error
+    prev.request_fault = out.request_fault
     if out.logprobs is not None:
         prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
 

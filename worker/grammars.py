@@ -95,6 +95,12 @@ class Grammars:
     def failure(self, seq: Sequence) -> str | None:
         return self._failed.get(seq)
 
+    def is_own_fault(self, seq: Sequence) -> bool:
+        """Whether ``seq``'s grammar failed it (it could not be built, ran past its fuel, refused a
+        token): the request's own constraint, not the replica, is at fault."""
+        matcher = self._matchers.get(seq)
+        return seq in self._failed or (matcher is not None and matcher.is_error())
+
     # ---- building ------------------------------------------------------------------------------
 
     def _build(self, key: tuple[str, str], constraint: Constraint) -> Any:

@@ -194,6 +194,7 @@ def test_a_grammar_that_cannot_be_built_fails_its_request_alone(engine: LLMEngin
     assert out["ok"].token_ids == alone.token_ids
     for rid in ("b1", "b2"):
         assert out[rid].finish_reason is FinishReason.ERROR and "constraint" in (out[rid].error or "")
+        assert out[rid].request_fault  # its own: not to be retried elsewhere
     with pytest.raises(InvalidRequestError, match="longer than"):
         engine.add_request(
             _req(engine, "big", "x", constraint=Constraint(ConstraintKind.REGEX, "a" * 70_000))
@@ -225,7 +226,8 @@ def test_a_grammar_past_its_step_fuel_fails_alone_beside_a_greedy_stream(
     assert out["victim"].token_ids == alone.token_ids
     failed = [o for rid, o in out.items() if rid != "victim" and o.finish_reason is FinishReason.ERROR]
     assert failed, {rid: (o.finish_reason, o.text) for rid, o in out.items()}
-    assert len(failed) == 4 and all("Too many items" in (o.error or "") for o in failed)
+    assert len(failed) == 4 and all("Too many items" in (o.error or "") and o.request_fault for o in failed)
+    assert not out["victim"].request_fault
     assert engine.counters.consecutive_failed_steps == 0
     engine.block_manager.check_consistency()
 

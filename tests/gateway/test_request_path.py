@@ -162,6 +162,7 @@ class ScriptedPool:
         self.reply = "hello world"
         self.stall_after: int | None = None
         self.fail: Exception | None = None
+        self.own_fault_after: int | None = None  # end with the request's own error after N tokens
         self.requests: list[GenerationRequest] = []
         self.closed = 0  # engine streams stopped (finished, aborted or failed)
 
@@ -183,6 +184,12 @@ class ScriptedPool:
             for i, tok in enumerate(ids):
                 if i == self.stall_after:
                     await asyncio.Event().wait()
+                if i == self.own_fault_after:
+                    error = "the output constraint failed: too many items; it was stopped (others were not)"
+                    fault = RequestOutput(request.request_id, "", [], FinishReason.ERROR, error=error)
+                    fault.request_fault = True
+                    yield fault
+                    return
                 yield RequestOutput(
                     request.request_id,
                     chr(tok),
@@ -409,6 +416,15 @@ async def test_a_lost_engine_is_unavailable_and_a_bug_is_internal(world: World) 
     assert bug.kind is ErrorKind.INTERNAL and "bug" not in bug.message  # no internals leak
     assert world.requests("UNAVAILABLE") == 1 and world.requests("INTERNAL") == 1
     assert world.usage()[0] == 2  # both admitted requests were settled
+
+
+async def test_an_error_of_the_requests_own_making_is_invalid_argument(world: World) -> None:
+    """A replica that ends a request for its own constraint (past its fuel, say) after some output:
+    the caller is told its request was at fault, not to retry, and the tokens it got are paid."""
+    world.pool.own_fault_after = 3
+    own = await refusal(world, ask(max_tokens=8))
+    assert own.kind is ErrorKind.INVALID_ARGUMENT and "too many items" in own.message
+    assert world.requests("INVALID_ARGUMENT") == 1 and world.usage()[2] == 3
 
 
 async def test_large_prompts_are_tokenized_off_the_event_loop(world: World) -> None:

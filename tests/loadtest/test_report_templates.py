@@ -27,6 +27,7 @@ REPORTS = [
     ("bench_engine", "to_markdown", "engine-vs-vllm/seqs64/engine"),
     ("bench_gateway", "to_markdown", "gateway"),
     ("bench_lora", "to_markdown", "lora"),
+    ("bench_structured", "to_markdown", "structured"),
     ("bench_isolation", "to_markdown", "isolation"),
     ("bench_admission", "markdown", "admission"),
     ("calibrate", "to_markdown", "calibration"),

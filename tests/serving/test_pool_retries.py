@@ -156,6 +156,18 @@ async def test_a_second_engine_failure_is_the_answer() -> None:
     assert outs[-1].finish_reason is FinishReason.ERROR and len(handle.requests) == 2
 
 
+async def test_a_failure_of_the_requests_own_constraint_is_not_retried() -> None:
+    """A grammar that cannot be followed fails the same way on every replica: one attempt, its error
+    handed on as the request's own."""
+    own = _out("t/r", [], FinishReason.ERROR, "the output constraint failed: too many items")
+    own.request_fault = True
+    pool, handle = _pool([[own], [_out("t/r#retry1", [5], FinishReason.LENGTH)]])
+    outs = await _drain(pool)
+    assert (
+        len(handle.requests) == 1 and outs[-1].request_fault and outs[-1].finish_reason is FinishReason.ERROR
+    )
+
+
 async def test_a_dead_engine_is_retried_like_a_lost_replica() -> None:
     pool, handle = _pool(
         [[EngineDeadError("the engine loop is not running")], [_out("t/r#retry1", [5], FinishReason.LENGTH)]]
