@@ -85,6 +85,7 @@ class GatewayServer:
         try:
             await server.start()
             self._server = server
+            self.path.constraints.warm(r.tokenizer for r in self.catalog.routes)
             if s.http_port is not None:
                 await self.http.start(s.host, s.http_port)
             await set_health(self._health, serving=True)

@@ -502,11 +502,15 @@ def constraint_spec(rng: random.Random) -> ConstraintSpec:
         return ConstraintSpec(
             "json_schema", {"enum": [f"value-{i:05d}" for i in range(n)]}, f"enum of {n}", size > limit
         )
-    if pick == 2:  # deep nesting (past the JSON parser's recursion too)
-        depth = rng.choice([40, 200, 1000, 5000])
-        value = _nested_schema(depth)
-        size = len(json.dumps(value)) if depth < 1000 else limit + 1
-        return ConstraintSpec("json_schema", value, f"{depth} nested objects", size > limit)
+    if pick == 2:  # deep nesting; past the JSON parser's recursion, as text (json.dumps would recurse)
+        depth = rng.choice([40, 200, 300, 1000, 5000])
+        if depth <= 300:
+            value: Any = _nested_schema(depth)
+            return ConstraintSpec(
+                "json_schema", value, f"{depth} nested objects", len(json.dumps(value)) > limit
+            )
+        value = '{"type": "object", "properties": {"k": ' * depth + "{}" + "}}" * depth
+        return ConstraintSpec("json_schema", value, f"{depth} nested objects as text", True)
     if pick == 3:  # numeric fields at their extremes
         bound = rng.choice([0, -1, 2**53, 2**64, 10**300, 1e308, -1e308, 0.5, 1e-300])
         key = rng.choice(

@@ -117,8 +117,10 @@ def grammar_text(c: Constraint) -> str:
     if c.kind is ConstraintKind.JSON_SCHEMA:
         try:
             schema = json.loads(c.spec)
-        except (ValueError, RecursionError):
+        except ValueError:
             raise ValueError("the schema is not valid JSON") from None
+        except RecursionError:
+            raise ValueError("the schema is nested too deeply") from None
         if schema is False:
             raise ValueError("the schema false admits no value")
         if schema is True:  # any JSON value; llguidance applies its options to object schemas only
@@ -140,7 +142,14 @@ def grammar_text(c: Constraint) -> str:
         try:
             lark = gbnf_to_lark(lark)
         except Exception as exc:  # the converter's own parse errors, of any type
-            raise ValueError(f"the GBNF grammar does not parse ({type(exc).__name__})") from None
+            # Its own errors (GbnfToLarkError, or a bare Exception) say where and what; another
+            # type is its bug, and its words would only confuse.
+            said = (
+                " ".join(str(exc).split())[:200]
+                if type(exc).__name__ in ("GbnfToLarkError", "Exception")
+                else ""
+            )
+            raise ValueError("the GBNF grammar does not parse" + (f": {said}" if said else "")) from None
     return str(LLMatcher.grammar_from_lark(lark))
 
 
