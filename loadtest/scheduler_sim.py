@@ -15,6 +15,7 @@ from common import Priority
 from loadtest.static_batching import Batching
 from protocol.requests import FinishReason, SamplingParams
 from worker.block_manager import BlockManager
+from worker.fair_share import ServiceCosts
 from worker.scheduler import ScheduledBatch, SchedulerConfig
 from worker.sequence import Sequence
 
@@ -41,6 +42,10 @@ class SchedulerSim:
     step_no: int = 0
     requests: dict[str, SimRequest] = field(default_factory=dict)
     batches: list[ScheduledBatch] = field(default_factory=list)
+    # Per step, what each tenant got computed for the first time: (prefill, decode) tokens, counted
+    # here from the batch itself (not from the scheduler's own accounting, which it checks).
+    served: list[dict[str, tuple[int, int]]] = field(default_factory=list)
+    costs: ServiceCosts = field(default_factory=ServiceCosts)
 
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
@@ -49,6 +54,7 @@ class SchedulerSim:
                 self.max_num_seqs,
                 self.max_num_batched_tokens,
                 priority_classes=self.priority_classes,
+                costs=self.costs,
             ),
             self.bm,
         )
@@ -82,6 +88,13 @@ class SchedulerSim:
         """One step: the real schedule and update, with token 7 standing in for every sample."""
         batch = self.scheduler.schedule()
         self.batches.append(batch)
+        served: dict[str, tuple[int, int]] = {}
+        for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
+            new = range(max(seq.num_computed_tokens, seq.computed_high_water), seq.num_computed_tokens + n)
+            prefill = sum(1 for i in new if i < seq.num_prompt_tokens)
+            p, d = served.get(seq.tenant, (0, 0))
+            served[seq.tenant] = (p + prefill, d + len(new) - prefill)
+        self.served.append(served)
         sampled = {}
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             rec = self.requests[seq.request_id]

@@ -34,6 +34,12 @@ class EngineConfig(BaseSettings):
         pattern=r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$",
         description="'module:Class' of a Scheduler subclass to run instead (a benchmark's baseline)",
     )
+    fair_prefill_cost: float = Field(
+        1.0, gt=0, le=1000, description="fair share: the service one prefill token counts for"
+    )
+    fair_decode_cost: float = Field(
+        2.0, gt=0, le=1000, description="fair share: the service one decode token counts for"
+    )
     priority_scheduling: bool = Field(
         True, description="off: every request is scheduled as standard (a baseline for measurements)"
     )

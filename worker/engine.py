@@ -30,6 +30,7 @@ from worker.block_manager import BlockManager
 from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.device import kv_budget_bytes, resolved_device, resolved_dtype
 from worker.engine_counters import EngineCounters
+from worker.fair_share import ServiceCosts
 from worker.grammars import Grammars
 from worker.kv_cache import KVCache, blocks_for_budget
 from worker.lora_slots import LoraSlots
@@ -77,6 +78,7 @@ class LLMEngine:
                 config.max_num_batched_tokens,
                 self.max_model_len,
                 config.priority_scheduling,
+                ServiceCosts(config.fair_prefill_cost, config.fair_decode_cost),
             ),
             self.block_manager,
             gate=GateChain(self.grammars, self.lora) if self.lora is not None else self.grammars,

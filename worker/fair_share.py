@@ -1,25 +1,45 @@
-"""Weighted fair sharing of tokens between tenants inside one priority class.
+"""Weighted fair sharing of service between tenants inside one priority class.
 
-Each (class, tenant) pair keeps a virtual token counter that grows by ``tokens / weight`` for the
-work scheduled on its behalf; whoever has the smallest counter is served next. A tenant that was idle
-is lifted to the smallest counter among the active ones when it comes back, so idleness is not
-banked as credit (the Virtual Token Counter scheme of Sheng et al., OSDI'24, with weights).
+Service is what the engine computed for a tenant: prefill tokens at one cost and decode tokens at
+another (VTC's defaults 1 and 2: a decode token holds a batch slot for a whole step and its KV for the
+rest of the request). Tokens served from the prefix cache cost nothing, and neither do tokens
+recomputed after a preemption (the scheduler chose that, not the tenant).
+
+Each (class, tenant) pair keeps a virtual counter that grows by ``service / weight`` for the work
+scheduled on its behalf; whoever has the smallest counter is served next. A tenant that was idle is
+lifted to the smallest counter among the active ones when it comes back, so idleness is not banked as
+credit (the Virtual Token Counter scheme of Sheng et al., OSDI'24, with weights).
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 
 from common import Priority
 
 Key = tuple[Priority, str]
 
 
+@dataclass(frozen=True)
+class ServiceCosts:
+    """What one computed token costs, by phase."""
+
+    prefill: float = 1.0
+    decode: float = 2.0
+
+    def __post_init__(self) -> None:
+        if not (self.prefill > 0 and self.decode > 0):
+            raise ValueError("service costs must be positive")
+
+
 class FairShare:
-    def __init__(self) -> None:
+    def __init__(self, costs: ServiceCosts | None = None) -> None:
+        self.costs = costs or ServiceCosts()
         self._counter: dict[Key, float] = defaultdict(float)
         self._active: dict[Key, int] = defaultdict(int)  # live sequences per key
-        self.tokens: dict[str, int] = defaultdict(int)  # tokens scheduled per tenant (for stats/tests)
+        self.tokens: dict[str, int] = defaultdict(int)  # tokens charged per tenant (for stats/tests)
+        self.service: dict[str, float] = defaultdict(float)  # service charged per tenant, unweighted
 
     def counter(self, priority: Priority, tenant: str) -> float:
         return self._counter[(priority, tenant)]
@@ -39,9 +59,12 @@ class FairShare:
         if self._active[key] <= 0:
             del self._active[key]
 
-    def charge(self, priority: Priority, tenant: str, weight: float, tokens: int) -> None:
-        self._counter[(priority, tenant)] += tokens / weight
-        self.tokens[tenant] += tokens
+    def charge(self, priority: Priority, tenant: str, weight: float, prefill: int, decode: int) -> None:
+        """Charge ``tenant`` for ``prefill`` and ``decode`` tokens (negative counts refund them)."""
+        service = self.costs.prefill * prefill + self.costs.decode * decode
+        self._counter[(priority, tenant)] += service / weight
+        self.service[tenant] += service
+        self.tokens[tenant] += prefill + decode
 
     def over_share(self, priority: Priority, tenant: str) -> float:
         """How far ahead of the least-served active tenant of its class this tenant is."""

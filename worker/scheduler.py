@@ -34,7 +34,7 @@ from common import Priority
 from protocol.engine_config import EngineConfig
 from protocol.requests import FinishReason, InvalidRequestError
 from worker.block_manager import BlockManager
-from worker.fair_share import FairShare
+from worker.fair_share import FairShare, ServiceCosts
 from worker.sequence import Sequence, SequenceStatus
 
 
@@ -106,6 +106,7 @@ class SchedulerConfig:
     # Off: every request is served as standard (fair share and FCFS only), the baseline that
     # priority protection is measured against (loadtest/bench_served.py).
     priority_classes: bool = True
+    costs: ServiceCosts = field(default_factory=ServiceCosts)  # what a prefill and a decode token cost
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
@@ -142,6 +143,7 @@ class _Step:
     budget: int
     scheduled: dict[Sequence, int] = field(default_factory=dict)  # insertion-ordered
     preempted: list[Sequence] = field(default_factory=list)
+    charged: dict[Sequence, tuple[int, int]] = field(default_factory=dict)  # (prefill, decode) tokens
 
 
 class Scheduler:
@@ -152,7 +154,7 @@ class Scheduler:
         self.bm = block_manager
         self.gate: AdmissionGate = gate or OpenGate()
         self._rejected: list[tuple[Sequence, str]] = []  # failed by the gate, for the engine to report
-        self.fair = FairShare()
+        self.fair = FairShare(config.costs)
         self.waiting: dict[Priority, dict[str, deque[Sequence]]] = {p: {} for p in Priority}
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -293,7 +295,14 @@ class Scheduler:
             seq.num_cached_prompt_tokens = len(prefix or ()) * self.bm.block_size
         step.scheduled[seq] = n
         step.budget -= n
-        self.fair.charge(seq.priority, seq.tenant, seq.weight, n)
+        # Charged: the positions computed for the first time (not prefix-cache hits, which were
+        # skipped above, nor a recompute after a preemption); prompt positions are prefill.
+        start = max(seq.num_computed_tokens, seq.computed_high_water)
+        end = seq.num_computed_tokens + n
+        prefill = max(0, min(end, seq.num_prompt_tokens) - start)
+        decode = max(0, end - max(start, seq.num_prompt_tokens))
+        step.charged[seq] = (prefill, decode)
+        self.fair.charge(seq.priority, seq.tenant, seq.weight, prefill, decode)
 
     def _schedule_running(self, seq: Sequence, step: _Step) -> None:
         prefix = self._prefix(seq)
@@ -351,7 +360,8 @@ class Scheduler:
         n = step.scheduled.pop(seq, 0)
         if n:
             step.budget += n
-            self.fair.charge(seq.priority, seq.tenant, seq.weight, -n)
+            prefill, decode = step.charged.pop(seq)
+            self.fair.charge(seq.priority, seq.tenant, seq.weight, -prefill, -decode)
 
     def _preempt(self, seq: Sequence, step: _Step) -> None:
         """Free ``seq``'s blocks now; it waits again and recomputes its tokens when readmitted."""

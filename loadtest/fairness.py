@@ -1,0 +1,79 @@
+"""Fairness measured as the VTC paper (Sheng et al., OSDI'24) states it, from per-step service.
+
+Service is prefill tokens at ``w_p`` and decode tokens at ``w_q`` (VTC's defaults 1 and 2). For two
+tenants ``f`` and ``g`` backlogged over an interval, the paper bounds the difference of their
+weighted service, ``|W_f(t1, t2) / w_f - W_g(t1, t2) / w_g|``, by ``2 U`` with
+``U = max(w_p * L_input, w_q * M)`` (``L_input`` the longest prompt, ``M`` the most tokens one
+step can hold). The largest difference over every interval inside a window is the range (max - min)
+of ``D(t) = S_f(t) / w_f - S_g(t) / w_g``, the cumulative difference. Jain's index over windows says
+how evenly each window's weighted service was spread (1.0 is perfectly even).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+Served = dict[str, tuple[int, int]]  # tenant -> (prefill, decode) tokens in one step
+
+
+@dataclass(frozen=True)
+class Fairness:
+    max_difference: float  # the largest weighted service difference over any interval, any pair
+    mean_difference: float  # |D(t)|'s mean over steps and pairs, D measured from the window's start
+    variance: float  # of that |D(t)|
+    bound: float  # VTC's 2 U
+    jain_min: float  # the worst window's Jain index
+    jain_mean: float
+
+
+def service(step: Served, tenant: str, w_p: float, w_q: float) -> float:
+    prefill, decode = step.get(tenant, (0, 0))
+    return w_p * prefill + w_q * decode
+
+
+def vtc_bound(longest_prompt: int, step_tokens: int, w_p: float = 1.0, w_q: float = 2.0) -> float:
+    return 2 * max(w_p * longest_prompt, w_q * step_tokens)
+
+
+def jain(values: Iterable[float]) -> float:
+    xs = list(values)
+    square = sum(x * x for x in xs)
+    return 1.0 if square == 0 else sum(xs) ** 2 / (len(xs) * square)
+
+
+def measure(
+    steps: Sequence[Served],
+    weights: dict[str, float],
+    *,
+    bound: float,
+    window: int,
+    w_p: float = 1.0,
+    w_q: float = 2.0,
+) -> Fairness:
+    """Fairness over ``steps``, during which every tenant of ``weights`` was backlogged."""
+    pairs = list(itertools.combinations(sorted(weights), 2))
+    cumulative = {t: 0.0 for t in weights}
+    curves: dict[tuple[str, str], list[float]] = {p: [] for p in pairs}
+    jains: list[float] = []
+    for start in range(0, len(steps) - window + 1, window):
+        per = {t: sum(service(s, t, w_p, w_q) for s in steps[start : start + window]) for t in weights}
+        jains.append(jain(per[t] / weights[t] for t in weights))
+    for step in steps:
+        for t in weights:
+            cumulative[t] += service(step, t, w_p, w_q) / weights[t]
+        for f, g in pairs:
+            curves[(f, g)].append(cumulative[f] - cumulative[g])
+    ranges = [max(c) - min(c) for c in curves.values() if c]
+    drifts = [abs(d) for c in curves.values() for d in c]
+    mean = sum(drifts) / len(drifts) if drifts else 0.0
+    variance = sum((d - mean) ** 2 for d in drifts) / len(drifts) if drifts else 0.0
+    return Fairness(
+        max_difference=max(ranges, default=0.0),
+        mean_difference=mean,
+        variance=variance,
+        bound=bound,
+        jain_min=min(jains, default=1.0),
+        jain_mean=sum(jains) / len(jains) if jains else 1.0,
+    )
