@@ -12,6 +12,7 @@ def build_parser() -> argparse.ArgumentParser:
     from loadtest import (
         bench_admission,
         bench_engine,
+        bench_fairness,
         bench_gateway,
         bench_isolation,
         bench_lora,
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_served.register(bench_sub)  # loom bench served
     bench_stream_cost.register(bench_sub)  # loom bench stream-cost
     bench_structured.register(bench_sub)  # loom bench structured
+    bench_fairness.register(bench_sub)  # loom bench fairness
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser

@@ -12,8 +12,12 @@ how evenly each window's weighted service was spread (1.0 is perfectly even).
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
+
+from loadtest.scheduler_sim import SchedulerSim
 
 Served = dict[str, tuple[int, int]]  # tenant -> (prefill, decode) tokens in one step
 
@@ -77,3 +81,45 @@ def measure(
         jain_min=min(jains, default=1.0),
         jain_mean=sum(jains) / len(jains) if jains else 1.0,
     )
+
+
+Shapes = tuple[tuple[int, int], tuple[int, int]]  # (prompt length range, output length range)
+
+
+def backlogged_run(
+    weights: dict[str, float],
+    shapes: dict[str, Shapes],
+    costs: Any = None,  # the scheduler's ServiceCosts (default: VTC's 1 and 2)
+    *,
+    max_num_seqs: int = 16,
+    step_budget: int = 256,
+    steps: int = 2000,
+    window: int = 200,
+    seed: int = 0,
+) -> Fairness:
+    """Every tenant of ``weights`` kept backlogged (900 requests each, lengths drawn from its
+    ``shapes``) on the real scheduler with a stand-in model for ``steps`` steps; fairness measured
+    from the 20th step on, against VTC's bound with M the most tokens a running batch can hold."""
+    rng = random.Random(seed)
+    config: dict[str, Any] = {"costs": costs} if costs is not None else {}
+    sim = SchedulerSim(
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=step_budget,
+        num_blocks=8192,
+        block_size=16,
+        **config,
+    )
+    longest_prompt = longest_output = 0
+    for _ in range(900):
+        for tenant, weight in weights.items():
+            (p_lo, p_hi), (o_lo, o_hi) = shapes[tenant]
+            prompt, output = rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)
+            longest_prompt, longest_output = max(longest_prompt, prompt), max(longest_output, output)
+            sim.submit(prompt, output, tenant=tenant, weight=weight)
+    for _ in range(steps):
+        sim.step()
+    waiting = sim.scheduler.waiting
+    if not all(any(t in q for q in waiting.values()) for t in weights):
+        raise RuntimeError("a tenant ran out of backlog: submit more requests or run fewer steps")
+    batch_tokens = max_num_seqs * (longest_prompt + longest_output)
+    return measure(sim.served[20:], weights, bound=vtc_bound(longest_prompt, batch_tokens), window=window)

@@ -10,12 +10,14 @@ torch and the kernels.
 from worker.async_engine import AsyncEngine
 from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.engine import LLMEngine, merge_output
+from worker.fair_share import ServiceCosts
 from worker.step_trace import StepObserver, StepRow, StepTrace
 
 __all__ = [
     "AsyncEngine",
     "Checkpoint",
     "LLMEngine",
+    "ServiceCosts",
     "StepObserver",
     "StepRow",
     "StepTrace",

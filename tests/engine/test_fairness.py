@@ -4,11 +4,9 @@ tokens at 1 and decode tokens at 2, measured from each step's batch (loadtest/fa
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from loadtest.fairness import Fairness, measure, vtc_bound
+from loadtest.fairness import Fairness, Shapes, backlogged_run
 from loadtest.scheduler_sim import SchedulerSim
 from worker.fair_share import ServiceCosts
 
@@ -18,29 +16,8 @@ LONG_OUTPUTS = ((8, 64), (16, 256))
 WINDOW = 200  # steps: about 10 s of a CPU engine's decode steps
 
 
-def _run(weights: dict[str, float], shapes: dict[str, tuple], costs: ServiceCosts | None = None) -> Fairness:
-    rng = random.Random(0)
-    sim = SchedulerSim(
-        max_num_seqs=SEQS,
-        max_num_batched_tokens=BUDGET,
-        num_blocks=8192,
-        block_size=16,
-        costs=costs or ServiceCosts(),
-    )
-    longest_prompt = longest_output = 0
-    for _ in range(900):
-        for tenant, weight in weights.items():
-            (p_lo, p_hi), (o_lo, o_hi) = shapes[tenant]
-            prompt, output = rng.randint(p_lo, p_hi), rng.randint(o_lo, o_hi)
-            longest_prompt, longest_output = max(longest_prompt, prompt), max(longest_output, output)
-            sim.submit(prompt, output, tenant=tenant, weight=weight)
-    for _ in range(2000):
-        sim.step()
-    waiting = sim.scheduler.waiting
-    assert all(any(t in q for q in waiting.values()) for t in weights), "every tenant stays backlogged"
-    # VTC's M: the most tokens a running batch can hold (every slot at its longest request).
-    batch_tokens = SEQS * (longest_prompt + longest_output)
-    return measure(sim.served[20:], weights, bound=vtc_bound(longest_prompt, batch_tokens), window=WINDOW)
+def _run(weights: dict[str, float], shapes: dict[str, Shapes], costs: ServiceCosts | None = None) -> Fairness:
+    return backlogged_run(weights, shapes, costs, max_num_seqs=SEQS, step_budget=BUDGET, window=WINDOW)
 
 
 @pytest.mark.parametrize(
@@ -52,7 +29,7 @@ def _run(weights: dict[str, float], shapes: dict[str, tuple], costs: ServiceCost
     ],
 )
 def test_weighted_service_difference_is_bounded_and_windows_are_even(
-    weights: dict[str, float], shapes: dict[str, tuple]
+    weights: dict[str, float], shapes: dict[str, Shapes]
 ) -> None:
     f = _run(weights, shapes)
     assert f.max_difference <= f.bound, f

@@ -1,0 +1,81 @@
+"""``loom bench fairness``: the weighted service difference between backlogged tenants, measured as
+the VTC paper (OSDI'24) states it, on the real scheduler with a stand-in model (deterministic; steps,
+not seconds).
+
+Two tenants (one of long prompts and short outputs, one of short prompts and long outputs) at weights
+1:1 and 1:3, and four tenants of mixed lengths at 1:1:3:3, every one kept backlogged for 2,000 steps.
+Service counts prefill tokens at 1 and decode tokens at 2, from each step's batch. Each run is shown
+with Loom's accounting (VTC's costs) and, beside it, with every token charged alike: the baseline
+the accounting is there to beat. Writes ``fairness.json`` and ``fairness.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.fairness import Shapes, backlogged_run
+from loadtest.markdown import render
+from worker.api import ServiceCosts
+
+RESULTS_DIR = Path(__file__).parent / "results"
+LONG_PROMPTS: Shapes = ((8, 512), (4, 64))
+LONG_OUTPUTS: Shapes = ((8, 64), (16, 256))
+MIXED: Shapes = ((8, 512), (4, 256))
+CASES: dict[str, tuple[dict[str, float], dict[str, Shapes]]] = {
+    "2 tenants 1:1": ({"a": 1.0, "b": 1.0}, {"a": LONG_PROMPTS, "b": LONG_OUTPUTS}),
+    "2 tenants 1:3": ({"a": 1.0, "b": 3.0}, {"a": LONG_PROMPTS, "b": LONG_OUTPUTS}),
+    "4 tenants 1:1:3:3": ({"a": 1.0, "b": 1.0, "c": 3.0, "d": 3.0}, dict.fromkeys("abcd", MIXED)),
+}
+
+
+def run_benchmark(
+    max_num_seqs: int = 16, step_budget: int = 256, window: int = 200, out_dir: Path | None = RESULTS_DIR
+) -> dict[str, Any]:
+    runs: dict[str, Any] = {}
+    for name, (weights, shapes) in CASES.items():
+        accountings = (("VTC costs (1, 2)", None), ("tokens alike (1, 1)", ServiceCosts(1.0, 1.0)))
+        for accounting, costs in accountings:
+            f = backlogged_run(
+                weights, shapes, costs, max_num_seqs=max_num_seqs, step_budget=step_budget, window=window
+            )
+            runs[f"{name}, {accounting}"] = {k: round(v, 4) for k, v in dataclasses.asdict(f).items()}
+    report = {
+        "date": time.strftime("%Y-%m-%d"),
+        "workload": {
+            "max_num_seqs": max_num_seqs,
+            "step_budget": step_budget,
+            "window_steps": window,
+            "steps": 2000,
+            "shapes": {
+                "long prompts": LONG_PROMPTS,
+                "long outputs": LONG_OUTPUTS,
+                "mixed": MIXED,
+            },
+        },
+        "runs": runs,
+    }
+    if out_dir is not None:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "fairness.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "fairness.md").write_text(to_markdown(report))
+    return report
+
+
+def to_markdown(report: dict[str, Any]) -> str:
+    return render("fairness.md.j2", report=report)
+
+
+def _main(args: argparse.Namespace) -> int:
+    run_benchmark(out_dir=args.out)
+    return 0
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fairness", help="weighted service difference of backlogged tenants (VTC's measure)")
+    p.add_argument("--out", type=Path, default=RESULTS_DIR)
+    p.set_defaults(func=_main)
