@@ -52,9 +52,12 @@ def run_benchmark(
             "window_steps": window,
             "steps": 2000,
             "shapes": {
-                "long prompts": LONG_PROMPTS,
-                "long outputs": LONG_OUTPUTS,
-                "mixed": MIXED,
+                name: {"prompt": list(prompt), "output": list(output)}
+                for name, (prompt, output) in (
+                    ("long prompts", LONG_PROMPTS),
+                    ("long outputs", LONG_OUTPUTS),
+                    ("mixed", MIXED),
+                )
             },
         },
         "runs": runs,
