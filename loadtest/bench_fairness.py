@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from pathlib import Path
 from typing import Any
 
 from loadtest.fairness import Shapes, backlogged_run
-from loadtest.markdown import render
+from loadtest.markdown import render, write_report
 from worker.api import ServiceCosts
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -63,9 +62,7 @@ def run_benchmark(
         "runs": runs,
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "fairness.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "fairness.md").write_text(to_markdown(report))
+        write_report(out_dir, "fairness", report, to_markdown(report))
     return report
 
 

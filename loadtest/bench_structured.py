@@ -30,7 +30,7 @@ import torch
 
 from loadtest.bench_engine import make_workload
 from loadtest.machine import cpu_line
-from loadtest.markdown import render
+from loadtest.markdown import render, write_report
 from protocol.engine_config import EngineConfig
 from protocol.requests import GenerationRequest, SamplingParams
 from protocol.structured import Constraint, ConstraintKind, grammar_tokenizer, new_matcher
@@ -206,9 +206,7 @@ def run_benchmark(
         "runs": runs,
     }
     if out_dir is not None:
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "structured.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "structured.md").write_text(to_markdown(report))
+        write_report(out_dir, "structured", report, to_markdown(report))
     return report
 
 
