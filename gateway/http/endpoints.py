@@ -186,18 +186,19 @@ class Chat(Endpoint):
             bad.append(("top_logprobs", "needs logprobs: true"))
         plan, tool_bad = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         bad += tool_bad
+        if plan is not None and not body.messages:  # the tools' system turn is not a conversation
+            bad.append(("messages", "needs at least one message"))
         body.tool_plan = plan
         messages = _chat_messages(body, plan)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         fields = _common(body, bad)
+        if plan is not None and fields["constraint"] is not None:
+            # A forced call is a constraint of its own; with auto, another constraint would keep the
+            # model from ever writing a call.
+            bad.append(("tool_choice", f"tools cannot be combined with {fields['constraint'].source}"))
         if plan is not None and (forced := plan.constraint()) is not None:
-            if fields["constraint"] is not None:
-                bad.append(
-                    (
-                        "tool_choice",
-                        f"a forced tool call cannot be combined with {fields['constraint'].source}",
-                    )
-                )
+            if body.stop:
+                bad.append(("stop", "cannot be used with a forced tool call (it would cut the arguments)"))
             fields["constraint"] = forced
         request = InferenceRequest(
             messages=messages or None,
@@ -219,7 +220,7 @@ class Chat(Endpoint):
             if delta.finish_reason is not None:
                 more, later = shaper.finish()
                 content, calls = content + more, calls + later
-                if shaper.calls and delta.finish_reason is FinishReason.STOP:
+                if shaper.calls and _calls_complete(shaper, delta.finish_reason):
                     finish = "tool_calls"
             d = {"content": content or None}
             if calls:
@@ -242,7 +243,8 @@ class Chat(Endpoint):
             message = {"role": "assistant", "content": (content + more) or None}
             if whole_calls:
                 message["tool_calls"] = whole_calls
-                if choice.finish_reason == "stop":
+                reason = FinishReason.STOP if choice.finish_reason == "stop" else FinishReason.LENGTH
+                if choice.finish_reason in ("stop", "length") and _calls_complete(shaper, reason):
                     shaped["finish_reason"] = "tool_calls"
         return {
             "message": message,
@@ -319,10 +321,9 @@ def _chat_messages(body: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[
     the text the model is told to write and read, and the tools listed in the system turn."""
     roles = {"developer": "system", "tool": "user"}  # OpenAI's newer name for the system turn
     messages = [
-        ChatMessage(
-            roles.get(m.role, m.role), text if (text := tool_turns(m)) is not None else _text_of(m.content)
-        )
+        ChatMessage(roles.get(m.role, m.role), tool_turns(m, text) or text)
         for m in body.messages
+        for text in (_text_of(m.content),)
     ]
     if plan is not None:
         if messages and messages[0].role == "system":
@@ -330,6 +331,12 @@ def _chat_messages(body: ChatCompletionRequest, plan: ToolPlan | None) -> tuple[
         else:
             messages.insert(0, ChatMessage("system", plan.system_text()))
     return tuple(messages)
+
+
+def _calls_complete(shaper: ToolShaper, reason: FinishReason) -> bool:
+    """Whether the calls sent are whole: the output ended by itself, or (auto) each call was parsed
+    from its closing tag before max_tokens cut what followed."""
+    return reason is FinishReason.STOP or (reason is FinishReason.LENGTH and shaper.plan.mode == "auto")
 
 
 def _text_of(content: str | list[Any] | None) -> str:

@@ -50,14 +50,15 @@ class ToolPlan:
             tool = next(t for t in self.tools if t.name == self.named)
             return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(tool.parameters), source="tools")
         if self.mode == "required":
+            defs: dict[str, Any] = {}
             calls = [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": t.name}, "arguments": t.parameters},
+                    "properties": {"name": {"const": t.name}, "arguments": _lift_defs(t.parameters, i, defs)},
                     "required": ["name", "arguments"],
                     "additionalProperties": False,
                 }
-                for t in self.tools
+                for i, t in enumerate(self.tools)
             ]
             schema = {
                 "type": "array",
@@ -65,6 +66,8 @@ class ToolPlan:
                 "minItems": 1,
                 "maxItems": MAX_PARALLEL_CALLS if self.parallel else 1,
             }
+            if defs:
+                schema["$defs"] = defs
             return Constraint(ConstraintKind.JSON_SCHEMA, json.dumps(schema), source="tools")
         return None
 
@@ -86,6 +89,38 @@ class ToolPlan:
             f'{CALL_CLOSE}, for example {CALL_OPEN}{{"name": "...", "arguments": {{...}}}}{CALL_CLOSE}. '
             "Otherwise, answer in text."
         )
+
+
+def _lift_defs(schema: dict[str, Any], tool: int, defs: dict[str, Any]) -> Any:
+    """``schema`` with its own definitions (``$defs``, ``definitions``) moved into ``defs`` under
+    names of this tool's, and its ``$ref``s rewritten to match: nested under the array of calls, a
+    tool's parameters would otherwise point at definitions that are no longer at the root."""
+    own = {
+        f"{where}/{name}": f"t{tool}_{name}"
+        for where in ("$defs", "definitions")
+        for name in (schema.get(where) or {})
+        if isinstance(schema.get(where), dict)
+    }
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, dict):
+            out = {
+                k: rewrite(v)
+                for k, v in node.items()
+                if k not in ("$defs", "definitions") or node is not schema
+            }
+            ref = node.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#/") and ref[2:] in own:
+                out["$ref"] = f"#/$defs/{own[ref[2:]]}"
+            return out
+        if isinstance(node, list):
+            return [rewrite(v) for v in node]
+        return node
+
+    for where in ("$defs", "definitions"):
+        for name, sub in (schema.get(where) or {}).items() if isinstance(schema.get(where), dict) else ():
+            defs[f"t{tool}_{name}"] = rewrite(sub)
+    return rewrite(schema)
 
 
 def plan_tools(
@@ -140,22 +175,26 @@ def plan_tools(
     return ToolPlan(plan_mode, tuple(parsed), named, parallel is not False), bad
 
 
-def tool_turns(message: Any) -> str | None:
+def tool_turns(message: Any, text: str) -> str | None:
     """The text of an earlier tool turn, as the model is told to write (assistant calls) or reads
-    (results); None for an ordinary message. ``message``: a ChatMessageIn."""
+    (results); None for an ordinary message. ``message``: a ChatMessageIn; ``text``: its content as
+    text (parts joined)."""
     if message.role == "assistant" and message.tool_calls:
         calls = []
         for call in message.tool_calls:
-            fn = call.get("function", {}) if isinstance(call, dict) else {}
-            args = fn.get("arguments", "{}")
-            with contextlib.suppress(ValueError):
+            fn = call.get("function") if isinstance(call, dict) else None
+            fn = fn if isinstance(fn, dict) else {}
+            args = fn.get("arguments")
+            if args is None:
+                args = {}
+            with contextlib.suppress(ValueError, RecursionError):  # not JSON: kept as the text it is
                 args = json.loads(args) if isinstance(args, str) else args
-            calls.append(CALL_OPEN + json.dumps({"name": fn.get("name"), "arguments": args}) + CALL_CLOSE)
-        text = message.content if isinstance(message.content, str) else ""
+            name = fn.get("name") if isinstance(fn.get("name"), str) else ""
+            with contextlib.suppress(ValueError, RecursionError):
+                calls.append(CALL_OPEN + json.dumps({"name": name, "arguments": args}) + CALL_CLOSE)
         return (text + "\n" if text else "") + "\n".join(calls)
     if message.role == "tool":
-        content = message.content if isinstance(message.content, str) else ""
-        return f"<tool_response>\n{content}\n</tool_response>"
+        return f"<tool_response>\n{text}\n</tool_response>"
     return None
 
 
@@ -211,6 +250,8 @@ class ToolShaper:
         found = self._parse(held)
         if not found:
             return held, []
+        if not self.plan.parallel:
+            found = found[:1]
         self.calls = len(found)
         return "", [_call(name, args, i) for i, (name, args) in enumerate(found)]
 
@@ -235,7 +276,9 @@ class ToolShaper:
     def _one(self, item: Any) -> tuple[str, str] | None:
         if not isinstance(item, dict) or item.get("name") not in self._names:
             return None
-        args = item.get("arguments", item.get("parameters", {}))
+        args = item.get("arguments", item.get("parameters"))
+        if args is None:
+            args = {}
         return item["name"], json.dumps(args) if not isinstance(args, str) else args
 
 

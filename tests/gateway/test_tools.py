@@ -10,8 +10,11 @@ from typing import Any
 import jsonschema
 import pytest
 
+from gateway.http.endpoints import CHAT
+from gateway.http.schema import ChatCompletionRequest
 from gateway.http.tools import CALL_CLOSE, CALL_OPEN, ToolPlan, ToolShaper, plan_tools
-from protocol.structured import ConstraintKind
+from loadtest.tiny_model import random_checkpoint
+from protocol.structured import ConstraintKind, grammar_tokenizer, grammar_violations
 
 WEATHER = {
     "type": "function",
@@ -137,3 +140,88 @@ def test_auto_calls_that_do_not_parse_or_name_no_tool_are_returned_as_text() -> 
     broken = CALL_OPEN + '{"name": "get_weather", "arguments": {' + CALL_CLOSE
     content, calls = _feed(ToolShaper(_plan()), broken, 4)
     assert calls == [] and content == broken
+
+
+# ---- found in review: odd conversations, $defs, and the fields tools cannot go with --------------------
+
+
+def _chat(**body: Any) -> tuple[Any, list[tuple[str, str]]]:
+    request, bad = CHAT.to_request(ChatCompletionRequest(model="m", **body))
+    return request, [f for f, _ in bad]
+
+
+def test_odd_earlier_calls_and_results_are_written_not_crashed_on() -> None:
+    messages = [
+        {"role": "user", "content": "go"},
+        {
+            "role": "assistant",
+            "content": [{"type": "text", "text": "calling"}],
+            "tool_calls": [
+                {"id": "a", "function": None},
+                {"id": "b", "function": "x"},
+                {"id": "c", "function": {"name": "f", "arguments": "[" * 100_000}},
+                {"id": "d", "function": {"name": "g", "arguments": None}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "d", "content": [{"type": "text", "text": "RESULT 42"}]},
+    ]
+    request, bad = _chat(messages=messages, tools=[WEATHER])
+    assert bad == []
+    turns = [m.content for m in request.messages]
+    assert turns[2].startswith("calling\n") and '"name": "g", "arguments": {}' in turns[2]
+    assert "RESULT 42" in turns[3]
+
+
+def test_required_keeps_each_tools_definitions_resolvable() -> None:
+    """Pydantic-made parameters put nested models under $defs; nested in the array of calls, their
+    $refs must still resolve (each tool's definitions are lifted to the root under its own names)."""
+    address = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    ship = {
+        "type": "function",
+        "function": {
+            "name": "ship",
+            "parameters": {
+                "$defs": {"Address": address},
+                "type": "object",
+                "properties": {"to": {"$ref": "#/$defs/Address"}},
+                "required": ["to"],
+            },
+        },
+    }
+    bill = json.loads(json.dumps(ship).replace('"ship"', '"bill"'))
+    bill["function"]["parameters"]["$defs"]["Address"]["required"] = []  # the same name, another model
+    constraint = _plan("required", tools=[ship, bill]).constraint()
+    assert constraint is not None
+    schema = json.loads(constraint.spec)
+    assert grammar_violations(constraint, grammar_tokenizer(random_checkpoint().tokenizer)) == []
+    jsonschema.validate([{"name": "ship", "arguments": {"to": {"city": "Oslo"}}}], schema)
+    jsonschema.validate([{"name": "bill", "arguments": {"to": {}}}], schema)
+    with pytest.raises(jsonschema.ValidationError):  # ship's Address, not bill's, for ship
+        jsonschema.validate([{"name": "ship", "arguments": {"to": {}}}], schema)
+
+
+def test_auto_without_parallel_calls_keeps_the_first_call() -> None:
+    text = "".join(
+        CALL_OPEN + json.dumps({"name": n, "arguments": None}) + CALL_CLOSE
+        for n in ("get_time", "get_weather")
+    )
+    content, calls = _feed(ToolShaper(_plan(parallel=False)), text, 5)
+    assert content == "" and [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == [
+        ("get_time", "{}")
+    ]
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"messages": [], "tools": [WEATHER]}, "messages"),
+        ({"tool_choice": "required", "stop": ["}"]}, "stop"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}, "stop": "\n"}, "stop"),
+        ({"response_format": {"type": "json_object"}}, "tool_choice"),
+        ({"guided_regex": "[a-z]+"}, "tool_choice"),
+    ],
+)
+def test_what_tools_cannot_go_with_is_refused(body: dict[str, Any], field: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "tools": [WEATHER], **body}
+    _, bad = _chat(**body)
+    assert bad == [field]
