@@ -86,6 +86,12 @@ class EngineCollector(Collector):
             "LoRA adapters running and waiting on each replica.",
             labels=[*labels, "max_lora", "running_lora_adapters", "waiting_lora_adapters"],
         )
+        tenant_kv = GaugeMetricFamily(
+            "loom:kv_cache_blocks_held",
+            "KV blocks a tenant holds on a replica (in use or caching its prefixes); kind: held, "
+            "floor or cap.",
+            labels=[*labels, "tenant", "kind"],
+        )
         now = time.time()
         seen: set[tuple[str, str, str]] = set()
         for source in list(self._sources.values()):
@@ -98,10 +104,13 @@ class EngineCollector(Collector):
                     families[name].add_metric(key, float(value(s)))
                 for prio, n in s.waiting.items():
                     waiting.add_metric([*key, prio.value], float(n))
+                for tenant, kv in s.kv_by_tenant.items():
+                    for kind, blocks in (("held", kv.held), ("floor", kv.floor), ("cap", kv.cap)):
+                        tenant_kv.add_metric([*key, tenant, kind], float(blocks))
                 if s.max_loras:
                     adapters = [str(s.max_loras), ",".join(s.running_adapters), ",".join(s.waiting_adapters)]
                     lora.add_metric([*key, *adapters], now)
-        yield from (*families.values(), waiting, lora)
+        yield from (*families.values(), waiting, tenant_kv, lora)
 
 
 # (name, kind, help, value): the per-replica engine series, under vLLM's names where they mean the

@@ -67,6 +67,7 @@ from protocol.requests import (
     FinishReason,
     GenerationRequest,
     InvalidRequestError,
+    KvShare,
     RequestOutput,
     SamplingParams,
 )
@@ -374,6 +375,7 @@ class RequestPath:
             priority=tenant.effective_priority(v.priority),
             weight=tenant.weight,
             cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
+            kv_share=KvShare(floor=tenant.kv_floor, cap=tenant.kv_cap),
             adapter=adapter,
         )
 

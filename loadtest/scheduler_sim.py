@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 from common import Priority
 from loadtest.static_batching import Batching
-from protocol.requests import FinishReason, SamplingParams
+from protocol.requests import FinishReason, KvShare, SamplingParams
 from worker.block_manager import BlockManager
 from worker.fair_share import ServiceCosts
 from worker.scheduler import ScheduledBatch, SchedulerConfig
@@ -25,6 +25,7 @@ _ids = itertools.count()
 @dataclass
 class SimRequest:
     seq: Sequence
+    submitted_step: int = 0
     first_scheduled_step: int | None = None
     first_token_step: int | None = None
     finished_step: int | None = None
@@ -46,6 +47,7 @@ class SchedulerSim:
     # here from the batch itself (not from the scheduler's own accounting, which it checks).
     served: list[dict[str, tuple[int, int]]] = field(default_factory=list)
     costs: ServiceCosts = field(default_factory=ServiceCosts)
+    preemption_limit: int | None = SchedulerConfig.preemption_limit
 
     def __post_init__(self) -> None:
         self.bm = BlockManager(self.num_blocks, self.block_size, self.enable_prefix_caching)
@@ -55,6 +57,7 @@ class SchedulerSim:
                 self.max_num_batched_tokens,
                 priority_classes=self.priority_classes,
                 costs=self.costs,
+                preemption_limit=self.preemption_limit,
             ),
             self.bm,
         )
@@ -67,6 +70,7 @@ class SchedulerSim:
         priority: Priority = Priority.STANDARD,
         weight: float = 1.0,
         prompt: list[int] | None = None,
+        kv_share: KvShare | None = None,
     ) -> str:
         rid = f"sim-{next(_ids)}"
         tokens = prompt if prompt is not None else [1000 + next(_ids) % 30000 for _ in range(prompt_len)]
@@ -79,9 +83,10 @@ class SchedulerSim:
             priority=priority,
             weight=weight,
             cache_salt=tenant.encode(),
+            kv_share=kv_share or KvShare(),
         )
         self.scheduler.add(seq)
-        self.requests[rid] = SimRequest(seq)
+        self.requests[rid] = SimRequest(seq, submitted_step=self.step_no)
         return rid
 
     def step(self) -> ScheduledBatch:

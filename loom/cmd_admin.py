@@ -70,6 +70,10 @@ def _add_tenant_fields(p: argparse.ArgumentParser) -> None:
     p.add_argument("--priority-ceiling", choices=[x.value for x in Priority])
     p.add_argument("--default-priority", choices=[x.value for x in Priority])
     p.add_argument("--weight", type=float, help="fair-share weight inside a priority class")
+    p.add_argument(
+        "--kv-floor", type=float, help="share of each replica's KV blocks kept whatever others do (0-1)"
+    )
+    p.add_argument("--kv-cap", type=float, help="most of each replica's KV blocks the tenant may hold (0-1)")
     p.add_argument("--models", help="comma-separated allowed models or patterns ('*' = all)")
     p.add_argument("--pool", choices=["shared", "dedicated"])
     p.add_argument("--dedicated-pool", help="name of the tenant's dedicated pool (with --pool dedicated)")
@@ -92,7 +96,16 @@ def _add_tenant_fields(p: argparse.ArgumentParser) -> None:
 
 def _tenant_changes(args: argparse.Namespace) -> dict[str, Any]:
     changes: dict[str, Any] = {}
-    for field in ("display_name", "priority_ceiling", "default_priority", "weight", "pool", "dedicated_pool"):
+    for field in (
+        "display_name",
+        "priority_ceiling",
+        "default_priority",
+        "weight",
+        "kv_floor",
+        "kv_cap",
+        "pool",
+        "dedicated_pool",
+    ):
         value = getattr(args, field, None)
         if value is not None:
             changes[field] = value

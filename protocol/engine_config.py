@@ -40,6 +40,9 @@ class EngineConfig(BaseSettings):
     fair_decode_cost: float = Field(
         2.0, gt=0, le=1000, description="fair share: the service one decode token counts for"
     )
+    preemption_limit: int | None = Field(
+        3, ge=1, description="preemptions after which a request yields only to higher classes (aging)"
+    )
     priority_scheduling: bool = Field(
         True, description="off: every request is scheduled as standard (a baseline for measurements)"
     )

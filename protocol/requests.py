@@ -65,6 +65,28 @@ class SamplingParams:
         return self.temperature < LIMITS.greedy_below_temperature
 
 
+@dataclass(frozen=True)
+class KvShare:
+    """A tenant's share of each replica's KV blocks, as fractions of the pool (admins set it).
+
+    ``floor``: blocks the tenant keeps whatever others do: another tenant neither evicts its
+    prefix-cache entries nor preempts its sequences to take them. ``cap``: the most it may hold,
+    its cached prefixes included (its only running sequence may still grow past it, so a cap never
+    stops a request that fits the model's context).
+    """
+
+    floor: float = 0.0
+    cap: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not (0.0 <= self.floor <= 1.0):
+            raise InvalidRequestError("kv_share.floor", f"must be within [0, 1], got {self.floor!r}")
+        if not (0.0 < self.cap <= 1.0):
+            raise InvalidRequestError("kv_share.cap", f"must be within (0, 1], got {self.cap!r}")
+        if self.floor > self.cap:
+            raise InvalidRequestError("kv_share", f"floor {self.floor} is above cap {self.cap}")
+
+
 @dataclass
 class GenerationRequest:
     """One completion request as the engine sees it: tokens in, deltas out."""
@@ -76,6 +98,7 @@ class GenerationRequest:
     priority: Priority = Priority.STANDARD
     weight: float = 1.0  # the tenant's fair-share weight inside its priority class
     cache_salt: bytes = b""  # prefix-cache isolation: derived per tenant by the gateway
+    kv_share: KvShare = field(default_factory=KvShare)  # the tenant's floor and cap of KV blocks
     # A stream resumed after its replica was lost: the last N prompt tokens are output an earlier
     # attempt generated and delivered. Text (a character split at the cut, text held back for a stop
     # string) and stop strings continue from them exactly as an uninterrupted run would.

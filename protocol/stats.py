@@ -14,11 +14,22 @@ from common import Priority
 
 
 @dataclass(frozen=True)
+class TenantKv:
+    """One tenant's KV blocks on a replica: what it holds (in use or caching its prefixes) against
+    the floor it keeps and the cap it may not pass."""
+
+    held: int
+    floor: int
+    cap: int
+
+
+@dataclass(frozen=True)
 class EngineStats:
     running: dict[Priority, int] = field(default_factory=dict)
     waiting: dict[Priority, int] = field(default_factory=dict)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    kv_by_tenant: dict[str, TenantKv] = field(default_factory=dict)
     max_num_seqs: int = 0  # batch capacity: slot occupancy is last_step_seqs / max_num_seqs
     num_preemptions: int = 0
     num_steps: int = 0
@@ -70,6 +81,7 @@ class EngineStats:
         values = {k: v for k, v in d.items() if k in names}
         values["running"] = {Priority(p): n for p, n in (d.get("running") or {}).items()}
         values["waiting"] = {Priority(p): n for p, n in (d.get("waiting") or {}).items()}
+        values["kv_by_tenant"] = {t: TenantKv(**kv) for t, kv in (d.get("kv_by_tenant") or {}).items()}
         for name in ("loaded_adapters", "running_adapters", "waiting_adapters"):
             values[name] = tuple(d.get(name) or ())
         return cls(**values)

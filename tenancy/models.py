@@ -153,6 +153,16 @@ class Tenant(_Frozen):
     weight: float = Field(
         default=1.0, gt=0, le=10_000, description="Fair-share weight inside a priority class."
     )
+    kv_floor: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Share of each replica's KV blocks the tenant keeps whatever others do (its cached "
+        "prefixes included): others neither evict nor preempt it below this.",
+    )
+    kv_cap: float = Field(
+        default=1.0, gt=0, le=1, description="Most of each replica's KV blocks the tenant may hold."
+    )
     quotas: Quotas = Field(default_factory=Quotas)
     allowed_models: tuple[str, ...] = Field(
         default=("*",), description="Model names or shell-style patterns; '*' allows every model."
@@ -184,6 +194,8 @@ class Tenant(_Frozen):
                 f"default_priority ({self.default_priority}) is above priority_ceiling "
                 f"({self.priority_ceiling})"
             )
+        if self.kv_floor > self.kv_cap:
+            problems.append(f"kv_floor ({self.kv_floor}) is above kv_cap ({self.kv_cap})")
         if self.pool == "dedicated" and not self.dedicated_pool:
             problems.append("pool 'dedicated' needs dedicated_pool (the name of the tenant's own pool)")
         if self.pool == "shared" and self.dedicated_pool:

@@ -37,6 +37,8 @@ UPDATABLE_FIELDS = frozenset(
         "priority_ceiling",
         "default_priority",
         "weight",
+        "kv_floor",
+        "kv_cap",
         "quotas",
         "allowed_models",
         "pool",

@@ -4,14 +4,22 @@ A full block whose K/V are computed is registered under a chained hash over (par
 ids), where the first block's parent is the tenant's cache salt, so equal prompts from different
 tenants never share a block. Freed blocks that carry a hash stay findable in an LRU pool and are
 evicted (oldest first) only when no clean block is left.
+
+Every block in use or in that pool belongs to the tenant that computed it (equal prompts of two
+tenants never share a block, so ownership is plain), and what a tenant holds counts against its
+share (kv_shares.py): cached blocks of a tenant at or under its floor are evicted only by that
+tenant itself, a tenant at its cap recycles its own cached blocks before taking any other, and a
+tenant's live sequences may not grow past its cap (bar its only one).
 """
 
 from __future__ import annotations
 
 import hashlib
 from array import array
-from collections import OrderedDict, deque
+from collections import OrderedDict, defaultdict, deque
 
+from protocol.stats import TenantKv
+from worker.kv_shares import KvShares
 from worker.sequence import Sequence
 
 
@@ -25,11 +33,18 @@ class BlockManager:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.shares = KvShares(num_blocks)
         self._ref = [0] * num_blocks
         self._hash: list[bytes | None] = [None] * num_blocks
+        self._owner: list[str | None] = [None] * num_blocks
         self._cached: dict[bytes, int] = {}
         self._free_clean: deque[int] = deque(range(num_blocks))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # LRU first
+        # Free blocks that still hold a cached prefix, per owner, least recently freed first; the
+        # value orders them across owners.
+        self._parked: dict[str, OrderedDict[int, int]] = defaultdict(OrderedDict)
+        self._num_parked = 0
+        self._clock = 0
+        self._held: dict[str, int] = defaultdict(int)  # blocks in use or parked, per owner
         self.prefix_queries = 0  # prompt tokens looked up
         self.prefix_hits = 0  # of which found cached
 
@@ -37,7 +52,7 @@ class BlockManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free_clean) + len(self._free_cached)
+        return len(self._free_clean) + self._num_parked
 
     @property
     def num_used_blocks(self) -> int:
@@ -56,13 +71,48 @@ class BlockManager:
         total = seq.num_computed_tokens + num_prefix_blocks * self.block_size + num_new_tokens
         return max(0, -(-total // self.block_size) - have)
 
+    def held(self, tenant: str) -> int:
+        """Blocks ``tenant`` holds: in use by its sequences, or caching its prefixes."""
+        return self._held.get(tenant, 0)
+
+    def by_tenant(self) -> dict[str, TenantKv]:
+        tenants = set(self.shares.tenants()) | {t for t, n in self._held.items() if n}
+        return {t: TenantKv(self.held(t), self.shares.floor(t), self.shares.cap(t)) for t in sorted(tenants)}
+
+    def _evictable(self, owner: str, for_tenant: str) -> int:
+        parked = len(self._parked.get(owner, ()))
+        if owner == for_tenant:
+            return parked
+        return min(parked, max(0, self._held[owner] - self.shares.floor(owner)))
+
+    def available(self, tenant: str) -> int:
+        """Free blocks ``tenant`` may take: clean ones, its own cached ones, and other tenants'
+        cached ones beyond their floors."""
+        return len(self._free_clean) + sum(self._evictable(o, tenant) for o in self._parked)
+
+    def cap_bound(self, seq: Sequence, num_new_blocks: int) -> bool:
+        """Whether ``num_new_blocks`` more blocks in use would take ``seq``'s tenant past its cap
+        (never for the tenant's only sequence holding blocks: a cap limits how many contexts a
+        tenant keeps, not how long one may grow)."""
+        tenant = seq.tenant
+        in_use = self._held.get(tenant, 0) - len(self._parked.get(tenant, ()))
+        if in_use <= len(seq.block_table):
+            return False
+        return in_use + num_new_blocks > self.shares.cap(tenant)
+
+    def new_blocks(self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None) -> int:
+        """Blocks ``seq`` would newly put in use: fresh ones, and cached hits nobody is using."""
+        prefix_blocks = prefix_blocks or []
+        reviving = sum(1 for b in prefix_blocks if self._ref[b] == 0)
+        return self.blocks_needed(seq, num_new_tokens, len(prefix_blocks)) + reviving
+
     def can_allocate(
         self, seq: Sequence, num_new_tokens: int, prefix_blocks: list[int] | None = None
     ) -> bool:
-        prefix_blocks = prefix_blocks or []
-        reviving = sum(1 for b in prefix_blocks if self._ref[b] == 0)
-        need = self.blocks_needed(seq, num_new_tokens, len(prefix_blocks))
-        return need + reviving <= self.num_free_blocks
+        new = self.new_blocks(seq, num_new_tokens, prefix_blocks)
+        if self.cap_bound(seq, new):
+            return False
+        return new <= len(self._free_clean) or new <= self.available(seq.tenant)
 
     # ---- prefix cache --------------------------------------------------------------------------
 
@@ -107,15 +157,34 @@ class BlockManager:
 
     # ---- allocation ----------------------------------------------------------------------------
 
-    def _take_free(self) -> int:
-        if self._free_clean:
+    def _unpark(self, b: int) -> None:
+        owner = self._owner[b]
+        assert owner is not None
+        del self._parked[owner][b]
+        self._num_parked -= 1
+
+    def _victim_owner(self, tenant: str) -> str:
+        """Whose cached block ``tenant`` evicts: the least recently freed among those it may take."""
+        owners = [o for o in self._parked if self._evictable(o, tenant) > 0]
+        return min(owners, key=lambda o: next(iter(self._parked[o].values())))
+
+    def _take_free(self, tenant: str) -> int:
+        if self._parked.get(tenant) and self._held[tenant] >= self.shares.cap(tenant):
+            b = next(iter(self._parked[tenant]))  # at its cap: recycle its own cached block
+        elif self._free_clean:
             b = self._free_clean.popleft()
         else:
-            b, _ = self._free_cached.popitem(last=False)
+            b = next(iter(self._parked[self._victim_owner(tenant)]))
+        evicted = self._owner[b]
+        if self._ref[b] == 0 and evicted is not None:  # a cached block: evict its prefix
+            self._unpark(b)
+            self._held[evicted] -= 1
             h = self._hash[b]
             if h is not None:
                 del self._cached[h]
                 self._hash[b] = None
+        self._owner[b] = tenant
+        self._held[tenant] += 1
         self._ref[b] = 1
         return b
 
@@ -130,7 +199,7 @@ class BlockManager:
         need = self.blocks_needed(seq, num_new_tokens, len(hits))
         for b in hits:
             if self._ref[b] == 0:
-                del self._free_cached[b]
+                self._unpark(b)
             self._ref[b] += 1
         seq.block_table.extend(hits)
         if hits:
@@ -139,25 +208,42 @@ class BlockManager:
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += len(hits) * self.block_size
         for _ in range(need):
-            seq.block_table.append(self._take_free())
+            seq.block_table.append(self._take_free(seq.tenant))
 
     def free(self, seq: Sequence) -> None:
         """Return every block of ``seq``; tail blocks become the first to be evicted."""
         for b in reversed(seq.block_table):
             self._ref[b] -= 1
             if self._ref[b] == 0:
+                owner = self._owner[b]
+                assert owner is not None
                 if self._hash[b] is not None:
-                    self._free_cached[b] = None
+                    self._parked[owner][b] = self._clock
+                    self._clock += 1
+                    self._num_parked += 1
                 else:
                     self._free_clean.append(b)
+                    self._owner[b] = None
+                    self._held[owner] -= 1
         seq.block_table = []
         seq.num_registered_blocks = 0
 
     def check_consistency(self) -> None:
         """Invariant check for tests: every block is either referenced or in exactly one free pool."""
-        free = set(self._free_clean) | set(self._free_cached)
-        assert len(free) == len(self._free_clean) + len(self._free_cached), "a block is free twice"
+        parked = [b for pool in self._parked.values() for b in pool]
+        free = set(self._free_clean) | set(parked)
+        assert len(free) == len(self._free_clean) + len(parked) == len(self._free_clean) + self._num_parked, (
+            "a block is free twice"
+        )
         for b in range(self.num_blocks):
             assert (self._ref[b] == 0) == (b in free), f"block {b}: ref {self._ref[b]} vs free {b in free}"
+            assert (self._owner[b] is None) == (b in self._free_clean), f"block {b}: owner {self._owner[b]}"
+        for tenant, pool in self._parked.items():
+            assert all(self._owner[b] == tenant for b in pool), f"a block parked under {tenant} is not its"
+        held: dict[str, int] = defaultdict(int)
+        for owner in self._owner:
+            if owner is not None:
+                held[owner] += 1
+        assert {t: n for t, n in self._held.items() if n} == dict(held), "blocks held per tenant miscounted"
         for h, b in self._cached.items():
             assert self._hash[b] == h, f"block {b} hash mismatch"

@@ -79,6 +79,7 @@ class LLMEngine:
                 self.max_model_len,
                 config.priority_scheduling,
                 ServiceCosts(config.fair_prefill_cost, config.fair_decode_cost),
+                config.preemption_limit,
             ),
             self.block_manager,
             gate=GateChain(self.grammars, self.lora) if self.lora is not None else self.grammars,

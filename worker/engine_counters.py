@@ -56,6 +56,7 @@ class EngineCounters:
             waiting={p: scheduler.num_waiting(p) for p in Priority},
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
+            kv_by_tenant=bm.by_tenant(),
             max_num_seqs=scheduler.config.max_num_seqs,
             num_preemptions=scheduler.num_preemptions,
             num_steps=self.steps,

@@ -6,9 +6,14 @@ sequences are served before new admissions. Prompts are split into chunks that f
 budget, so a long prompt never stalls the decodes of others.
 
 When a running sequence needs a block and none is free, the most preemptable sequence (lowest class,
-then furthest over its fair share, then latest arrival) is preempted: its blocks are freed now and
-its tokens recomputed later (cheaply, if its blocks survive in the prefix cache). A waiting request
-may preempt only strictly lower classes. Nothing is ever dropped.
+then the tenant furthest over its share of KV blocks, then furthest over its fair share of service,
+then latest arrival) is preempted: its blocks are freed now and its tokens recomputed later
+(cheaply, if its blocks survive in the prefix cache). Only sequences whose blocks would help are
+candidates: never those of a tenant at or under its KV floor, and only the tenant's own when it is
+at its cap. A waiting request may preempt strictly lower classes, and, while its tenant is under
+its KV floor, the sequences of tenants over theirs. Preempted work ages: a sequence preempted
+``preemption_limit`` times is not preempted again except by a higher class, so no request waits
+without bound behind others of its class. Nothing is ever dropped.
 
 After the forward pass the scheduler applies the step's output to its sequences
 (``update_from_output``, as vLLM v1's scheduler does): progress through the cache, newly full blocks
@@ -107,10 +112,14 @@ class SchedulerConfig:
     # priority protection is measured against (loadtest/bench_served.py).
     priority_classes: bool = True
     costs: ServiceCosts = field(default_factory=ServiceCosts)  # what a prefill and a decode token cost
+    # Preemptions after which a sequence yields only to higher classes (aging; None: no limit).
+    preemption_limit: int | None = 3
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1 or self.max_num_batched_tokens < 1:
             raise ValueError("max_num_seqs and max_num_batched_tokens must be positive")
+        if self.preemption_limit is not None and self.preemption_limit < 1:
+            raise ValueError("preemption_limit must be positive (or None)")
 
 
 @dataclass
@@ -144,6 +153,7 @@ class _Step:
     scheduled: dict[Sequence, int] = field(default_factory=dict)  # insertion-ordered
     preempted: list[Sequence] = field(default_factory=list)
     charged: dict[Sequence, tuple[int, int]] = field(default_factory=dict)  # (prefill, decode) tokens
+    stalled: list[Sequence] = field(default_factory=list)  # aged sequences waiting in place for blocks
 
 
 class Scheduler:
@@ -170,6 +180,7 @@ class Scheduler:
         if not self.config.priority_classes:
             seq.priority = Priority.STANDARD
         self.fair.activate(seq.priority, seq.tenant)
+        self.bm.shares.update(seq.tenant, seq.kv_share, seq.weight)
         self._enqueue(seq)
 
     def _enqueue(self, seq: Sequence) -> None:
@@ -265,6 +276,10 @@ class Scheduler:
                     gated.add(head.tenant)
                 elif not admitted:
                     admission_open = False  # strict classes: nothing lower may take what this one needs
+        if step.stalled and not step.scheduled:
+            # Every aged sequence that could run waits on blocks the others hold: one must yield,
+            # the youngest, so that the oldest always progresses and every wait ends.
+            self._preempt(max(step.stalled, key=lambda s: s.arrival), step)
         return ScheduledBatch(
             seqs=list(step.scheduled), num_tokens=list(step.scheduled.values()), preempted=step.preempted
         )
@@ -308,9 +323,12 @@ class Scheduler:
         prefix = self._prefix(seq)
         n = self._chunk(seq, prefix, step.budget)
         while not self.bm.can_allocate(seq, n, prefix):
-            others = [s for s in self.running if s is not seq]
-            victim = max(others, key=self._preempt_key, default=None)
-            if victim is None or self._preempt_key(victim) < self._preempt_key(seq):
+            victim = self._victim(seq, [s for s in self.running if s is not seq])
+            if self._aged(seq):
+                if victim is None:  # it keeps its blocks and waits for some to be freed
+                    step.stalled.append(seq)
+                    return
+            elif victim is None or self._preempt_key(victim) < self._preempt_key(seq):
                 self._preempt(seq, step)
                 return
             self._preempt(victim, step)
@@ -318,22 +336,61 @@ class Scheduler:
             n = self._chunk(seq, prefix, step.budget)
         self._take(seq, n, prefix, step)
 
-    def _admit(self, seq: Sequence, step: _Step) -> bool | None:
-        """Move the head of a waiting queue into the batch, preempting lower classes if they block it.
+    def _victim(self, seq: Sequence, candidates: list[Sequence]) -> Sequence | None:
+        """Whom ``seq`` may preempt for room, the most preemptable first; None: nobody.
 
-        False: no room (blocks or batch slots); None: the gate holds it back (other tenants may go).
-        The gate is asked first, so nothing is preempted for a sequence that could not run anyway.
+        Freeing a sequence helps only if ``seq`` may take its blocks: the tenant's own when the
+        tenant is at its cap, otherwise its own or those of a tenant over its floor. An aged
+        sequence yields only to a higher class.
         """
+        own_only = self.bm.cap_bound(seq, 1)
+        eligible = [
+            s
+            for s in candidates
+            if (
+                s.tenant == seq.tenant
+                or (not own_only and self.bm.held(s.tenant) > self.bm.shares.floor(s.tenant))
+            )
+            and not (self._aged(s) and s.priority <= seq.priority)
+        ]
+        return max(eligible, key=self._preempt_key, default=None)
+
+    def _aged(self, seq: Sequence) -> bool:
+        limit = self.config.preemption_limit
+        return limit is not None and seq.num_preemptions >= limit
+
+    def _admit(self, seq: Sequence, step: _Step) -> bool | None:
+        """Move the head of a waiting queue into the batch, preempting lower classes if they block it
+        (or, while its tenant is under its KV floor, tenants over theirs).
+
+        False: no room (blocks or batch slots); None: the gate holds it back, its tenant is at its KV
+        cap, or it is aged and waits for older aged sequences (other tenants may go). The gate is
+        asked first, so nothing is preempted for a sequence that could not run anyway.
+        """
+        if self._aged(seq) and any(self._aged(s) and s.arrival < seq.arrival for s in self.running):
+            # Aged sequences that cannot all fit would trade blocks forever: the younger waits for
+            # its elders (it was the one to yield), so each yields at most once per elder.
+            return None
         if not self._passes_gate(seq):
             return None
         while True:
             prefix = self._prefix(seq)
             n = self._chunk(seq, prefix, step.budget)
+            if self.bm.cap_bound(seq, self.bm.new_blocks(seq, n, prefix)):
+                self.gate.release(seq)
+                return None
             fits_slot = len(self.running) < self.config.max_num_seqs
             if fits_slot and self.bm.can_allocate(seq, n, prefix):
                 break
-            lower = [s for s in self.running if s.priority > seq.priority]
-            victim = max(lower, key=self._preempt_key, default=None)
+            under_floor = self.bm.held(seq.tenant) < self.bm.shares.floor(seq.tenant)
+            victim = self._victim(
+                seq,
+                [
+                    s
+                    for s in self.running
+                    if s.priority > seq.priority or (under_floor and s.tenant != seq.tenant)
+                ],
+            )
             if victim is None:
                 self.gate.release(seq)  # it keeps waiting; its adapter slot is not held meanwhile
                 return False
@@ -352,8 +409,19 @@ class Scheduler:
             self._rejected.append((seq, reason))
         return verdict is Gate.READY
 
-    def _preempt_key(self, seq: Sequence) -> tuple[int, float, int]:
-        return (seq.priority.order, self.fair.over_share(seq.priority, seq.tenant), seq.arrival)
+    def _preempt_key(self, seq: Sequence) -> tuple[int, bool, float, float, int]:
+        return (
+            seq.priority.order,
+            self.bm.held(seq.tenant) > self.bm.shares.floor(seq.tenant),  # within its floor: last
+            self._kv_over_share(seq.tenant),
+            self.fair.over_share(seq.priority, seq.tenant),
+            seq.arrival,
+        )
+
+    def _kv_over_share(self, tenant: str) -> float:
+        """How many blocks ``tenant`` holds beyond its due among the tenants now running."""
+        running = {s.tenant for s in self.running}
+        return self.bm.held(tenant) - self.bm.shares.fair(tenant, running)
 
     def _unschedule(self, seq: Sequence, step: _Step) -> None:
         """Take ``seq`` out of this step: its tokens go back to the budget, its charge is refunded."""

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from common import Priority
 from protocol.adapters import LoraRequest
-from protocol.requests import FinishReason, GenerationRequest, SamplingParams
+from protocol.requests import FinishReason, GenerationRequest, KvShare, SamplingParams
 
 _arrivals = itertools.count()
 
@@ -37,6 +37,7 @@ class Sequence:
     cache_salt: bytes
     stop_token_ids: frozenset[int] = frozenset()  # end-of-sequence (unless ignore_eos) and stop ids
     adapter: LoraRequest | None = None
+    kv_share: KvShare = field(default_factory=KvShare)
     num_resumed_tokens: int = 0  # the prompt's last tokens that an earlier attempt generated
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
     status: SequenceStatus = SequenceStatus.WAITING
@@ -73,6 +74,7 @@ class Sequence:
             cache_salt=salt,
             stop_token_ids=frozenset(stop),
             adapter=req.adapter,
+            kv_share=req.kv_share,
             num_resumed_tokens=req.num_resumed_tokens,
         )
 

@@ -22,6 +22,7 @@ from cryptography import x509
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY
+from prometheus_client.parser import text_string_to_metric_families
 
 from gateway.grpc.client import LoomClient
 from gateway.grpc.stubs import SERVICE_NAME, pb
@@ -57,7 +58,7 @@ async def test_health_and_reflection(gateway: Gateway) -> None:
 
 
 async def test_metrics_endpoint_reports_requests_and_engine_gauges(gateway: Gateway) -> None:
-    tenant, key = await gateway.tenant()
+    tenant, key = await gateway.tenant(kv_floor=0.25, kv_cap=0.5)
     async with gateway.client(key) as client:
         await collect(client.generate_call(req(max_tokens=4)))
     port = gateway.server.metrics_port
@@ -68,6 +69,7 @@ async def test_metrics_endpoint_reports_requests_and_engine_gauges(gateway: Gate
             return r.read().decode()
 
     await eventually(lambda: "loom:kv_cache_usage_perc{" in scrape())
+    await eventually(lambda: f'tenant="{tenant.id}"' in scrape().split("loom:kv_cache_blocks_held", 1)[-1])
     text = scrape()
     assert f'loom:gateway_requests_total{{code="OK",priority="standard",tenant="{tenant.id}"}} 1.0' in text
     assert f'loom:generation_tokens_total{{tenant="{tenant.id}"}} 4.0' in text
@@ -75,6 +77,19 @@ async def test_metrics_endpoint_reports_requests_and_engine_gauges(gateway: Gate
     assert 'loom:num_requests_waiting{model="tiny",pool="shared",priority="batch"' in text
     assert "loom:time_to_first_token_seconds_bucket" in text
     assert 'loom:tenancy_quota_mode{mode="redis"} 1.0' in text
+    # The tenant's KV share reached the replica that served it (the gateway sets it, never the client).
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    totals = {_replica(s.labels): s.value for s in samples if s.name == "loom:kv_cache_blocks_total"}
+    shares = [s for s in samples if s.name == "loom:kv_cache_blocks_held" and s.labels["tenant"] == tenant.id]
+    assert {s.labels["kind"] for s in shares} == {"held", "floor", "cap"}
+    for s in shares:
+        fraction = {"floor": 0.25, "cap": 0.5}.get(s.labels["kind"])
+        if fraction is not None:
+            assert s.value == int(fraction * totals[_replica(s.labels)])
+
+
+def _replica(labels: dict[str, str]) -> tuple[str, ...]:
+    return tuple(v for k, v in sorted(labels.items()) if k not in ("tenant", "kind"))
 
 
 async def test_drain_finishes_streams_and_refuses_new_calls(

@@ -41,6 +41,11 @@ def test_defaults_are_valid_and_shared_pool():
         ),
         ({"id": "acme", "bogus": 1}, "bogus: Extra inputs are not permitted"),
         ({"id": "acme", "allowed_models": [" "]}, "allowed_models"),
+        ({"id": "acme", "kv_floor": 1.5}, "kv_floor"),
+        ({"id": "acme", "kv_floor": -0.1}, "kv_floor"),
+        ({"id": "acme", "kv_cap": 0}, "kv_cap"),
+        ({"id": "acme", "kv_cap": float("nan")}, "kv_cap"),
+        ({"id": "acme", "kv_floor": 0.5, "kv_cap": 0.25}, "kv_floor (0.5) is above kv_cap (0.25)"),
     ],
 )
 def test_validation_messages_name_the_problem(data, fragment):
