@@ -57,6 +57,7 @@ from gateway.pre_admission import FairSlots, PreAdmission, Ticket
 from gateway.resume import resumable_stream
 from gateway.schema import Delta, InferenceRequest, ServedModel, TokenLogprobs, TopLogprob, Usage
 from gateway.settings import GatewaySettings
+from gateway.slo import SloAdmission, record_outcome
 from gateway.stall_watch import StallWatch
 from gateway.stream_deadline import StreamDeadline
 from gateway.validation import ValidRequest, validate
@@ -127,6 +128,7 @@ class RequestPath:
         self._huge_tokenize = FairSlots(LARGE_TOKENIZE_SLOTS)
         self.pre_admission = PreAdmission()
         self.constraints = ConstraintChecks(settings.grammar_check_timeout_s)
+        self.slo = SloAdmission()
         # Tenants whose request rate admission refused, and until when (see _not_known_refused).
         self._rpm_refused_until: dict[str, float] = {}
         # Both fronts' writes to clients, under one clock (a client that reads nothing loses its stream).
@@ -219,6 +221,7 @@ class RequestPath:
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
             call.priority = engine_request.priority.value
+            self.slo.admit(tenant, engine_request.priority, len(prompt_ids), route.pool)
             admission = await self._admit(tenant, valid, engine_request)
             ticket.release()
             deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)
@@ -489,8 +492,13 @@ class RequestPath:
             finally:
                 deadline.close()
         E2E.labels(priority).observe(time.monotonic() - call.started)
-        if first_token_at is not None and delivered > 1:
-            TPOT.labels(priority).observe((last_token_at - first_token_at) / (delivered - 1))
+        tpot = (
+            (last_token_at - first_token_at) / (delivered - 1) if first_token_at is not None and delivered > 1 else None
+        )
+        if tpot is not None:
+            TPOT.labels(priority).observe(tpot)
+        ttft = first_token_at - call.started if first_token_at is not None else None
+        record_outcome(tenant, request.priority, ttft, tpot)
 
 
 def _copies(request: GenerationRequest, n: int) -> list[GenerationRequest]:

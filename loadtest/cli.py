@@ -16,6 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_gateway,
         bench_isolation,
         bench_lora,
+        bench_noisy,
         bench_served,
         bench_stream_cost,
         bench_structured,
@@ -40,6 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_stream_cost.register(bench_sub)  # loom bench stream-cost
     bench_structured.register(bench_sub)  # loom bench structured
     bench_fairness.register(bench_sub)  # loom bench fairness
+    bench_noisy.register(bench_sub)  # loom bench noisy
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser

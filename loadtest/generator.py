@@ -29,6 +29,7 @@ from loadtest.workload import (
     UniformLength,
     Workload,
 )
+from protocol.requests import KvShare
 
 # ---- lengths ------------------------------------------------------------------------------------
 
@@ -138,6 +139,10 @@ class PlannedRequest:
     prompt_len: int  # words for the served system; tokens for the simulator
     max_tokens: int
     weight: float = 1.0  # the tenant's fair-share weight (simulator only)
+    # Simulator only: the first ``shared_prefix_len`` prompt tokens are the tenant's system prompt,
+    # the same in each of its requests; and the tenant's KV floor and cap.
+    shared_prefix_len: int = 0
+    kv_share: KvShare | None = None
 
 
 @dataclass(frozen=True)

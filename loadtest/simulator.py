@@ -34,7 +34,7 @@ from loadtest.costmodel import Deployment, StepItem, step_cost
 from loadtest.generator import PlannedRequest
 from loadtest.static_batching import Batching
 from loadtest.stats import INCOMPLETE, OK, RequestRecord, SloSpec, grouped
-from protocol.requests import SamplingParams
+from protocol.requests import KvShare, SamplingParams
 from worker.block_manager import BlockManager
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
@@ -57,6 +57,7 @@ class EngineSpec:
     max_model_len: int = 4096
     num_blocks: int | None = None  # default: the deployment's KV capacity
     client_cap_tokens: int = 1024  # a typical client max_tokens: the "reserve prompt + cap" baseline
+    enable_prefix_caching: bool = False  # on only where a workload's prompts share prefixes
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -72,17 +73,22 @@ class EngineSpec:
 def make_sequence(req: PlannedRequest, request_id: str | None = None) -> Sequence:
     """A scheduler sequence for a planned request: prompt of ``prompt_len`` tokens, exact output length.
 
-    Prefix caching is off in the simulator (the prompts share no prefix), so token values do not matter.
+    The prompt's first ``shared_prefix_len`` tokens are the same for every request of its tenant (a
+    system prompt the prefix cache can serve); the rest are this request's own, so two requests
+    share nothing more.
     """
+    serial = next(_ids)
+    shared = min(req.shared_prefix_len, req.prompt_len)
     return Sequence(
-        request_id=request_id or f"sim-{next(_ids)}",
-        token_ids=[1] * req.prompt_len,
+        request_id=request_id or f"sim-{serial}",
+        token_ids=[2 + i for i in range(shared)] + [1_000_000 + serial] * (req.prompt_len - shared),
         num_prompt_tokens=req.prompt_len,
         sampling=SamplingParams(max_tokens=req.max_tokens, ignore_eos=True),
         tenant=req.tenant,
         priority=req.priority,
         weight=req.weight,
         cache_salt=req.tenant.encode(),
+        kv_share=req.kv_share or KvShare(),
     )
 
 
@@ -237,7 +243,7 @@ class Simulator:
 
     def _replica(self, i: int) -> _Replica:
         e = self.engine
-        bm = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=False)
+        bm = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=e.enable_prefix_caching)
         max_len = min(e.max_model_len, self.num_blocks * self.block_size)
         sched = e.mode.scheduler(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_len), bm)
         return _Replica(i, sched, bm)
@@ -381,6 +387,7 @@ class Simulator:
                 rec.code = OK
                 rec.finish_reason = str(u.finish_reason)
                 rec.completion_tokens = u.seq.num_output_tokens
+                rec.cached_prompt_tokens = u.seq.num_cached_prompt_tokens
                 rep.outstanding -= 1
                 rep.high_water.pop(u.seq, None)
                 del owner[u.seq]

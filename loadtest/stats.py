@@ -65,6 +65,7 @@ class RequestRecord:
     chunk_tokens: list[int] | None = None  # None: one token per chunk
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0  # served from the prefix cache (where the server says)
     max_tokens: int = 0
     code: str = OK
     finish_reason: str | None = None

@@ -27,6 +27,9 @@ class TenantKv:
 class EngineStats:
     running: dict[Priority, int] = field(default_factory=dict)
     waiting: dict[Priority, int] = field(default_factory=dict)
+    # Prompt tokens still to compute by class (waiting requests and running ones mid-prompt): the
+    # queue a new request's first token waits behind (what SLO admission predicts from).
+    pending_prompt_tokens: dict[Priority, int] = field(default_factory=dict)
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
     kv_by_tenant: dict[str, TenantKv] = field(default_factory=dict)
@@ -73,6 +76,7 @@ class EngineStats:
         d = dataclasses.asdict(self)
         d["running"] = {p.value: n for p, n in self.running.items()}
         d["waiting"] = {p.value: n for p, n in self.waiting.items()}
+        d["pending_prompt_tokens"] = {p.value: n for p, n in self.pending_prompt_tokens.items()}
         return d
 
     @classmethod
@@ -81,6 +85,9 @@ class EngineStats:
         values = {k: v for k, v in d.items() if k in names}
         values["running"] = {Priority(p): n for p, n in (d.get("running") or {}).items()}
         values["waiting"] = {Priority(p): n for p, n in (d.get("waiting") or {}).items()}
+        values["pending_prompt_tokens"] = {
+            Priority(p): n for p, n in (d.get("pending_prompt_tokens") or {}).items()
+        }
         values["kv_by_tenant"] = {t: TenantKv(**kv) for t, kv in (d.get("kv_by_tenant") or {}).items()}
         for name in ("loaded_adapters", "running_adapters", "waiting_adapters"):
             values[name] = tuple(d.get(name) or ())

@@ -46,6 +46,7 @@ from tenancy.models import (
     IssuedKey,
     Principal,
     Quotas,
+    SloTarget,
     Tenant,
     TenantStatus,
 )
@@ -81,6 +82,7 @@ __all__ = [
     "QuotaEnforcer",
     "QuotaMode",
     "Quotas",
+    "SloTarget",
     "RedisAdmission",
     "RedisTenantStore",
     "RedisTenantWatcher",

@@ -118,6 +118,28 @@ ADAPTER_NAME_PATTERN = r"^[a-z0-9][a-z0-9_.-]{0,62}$"
 """An adapter's name, requested as ``<base model>:<name>``; no ``:`` so the split is unambiguous."""
 
 
+class SloTarget(_Frozen):
+    """What a tenant is promised for its requests of one priority class (admins set it, like quotas).
+
+    The gateway predicts a request's time to first token from the replicas' published load before it
+    admits it; past ``ttft_ms`` it refuses the request at once with the prediction and the target
+    (``on_miss="refuse"``: the client can retry, or send it as a lower class), or admits it to wait
+    (``"queue"``). Every request of the class is counted against both targets when it ends (goodput).
+    """
+
+    ttft_ms: float | None = Field(default=None, gt=0, le=3_600_000, description="time to first token")
+    tpot_ms: float | None = Field(default=None, gt=0, le=60_000, description="time per output token")
+    on_miss: Literal["refuse", "queue"] = "refuse"
+
+    def met(self, ttft_s: float | None, tpot_s: float | None) -> bool:
+        """Whether a request that ended with these latencies met the targets (no token: it did not)."""
+        if ttft_s is None:
+            return False
+        if self.ttft_ms is not None and ttft_s * 1000 > self.ttft_ms:
+            return False
+        return not (self.tpot_ms is not None and tpot_s is not None and tpot_s * 1000 > self.tpot_ms)
+
+
 class AdapterRecord(_Frozen):
     """A tenant's LoRA adapter, as an admin registered it (``loom admin adapter add``).
 
@@ -164,6 +186,9 @@ class Tenant(_Frozen):
         default=1.0, gt=0, le=1, description="Most of each replica's KV blocks the tenant may hold."
     )
     quotas: Quotas = Field(default_factory=Quotas)
+    slo: dict[Priority, SloTarget] = Field(
+        default_factory=dict, description="Latency targets per priority class (none: best effort)."
+    )
     allowed_models: tuple[str, ...] = Field(
         default=("*",), description="Model names or shell-style patterns; '*' allows every model."
     )

@@ -40,6 +40,7 @@ UPDATABLE_FIELDS = frozenset(
         "kv_floor",
         "kv_cap",
         "quotas",
+        "slo",
         "allowed_models",
         "pool",
         "dedicated_pool",

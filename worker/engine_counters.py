@@ -54,6 +54,7 @@ class EngineCounters:
         return EngineStats(
             running={p: scheduler.num_running(p) for p in Priority},
             waiting={p: scheduler.num_waiting(p) for p in Priority},
+            pending_prompt_tokens={p: scheduler.pending_prompt_tokens(p) for p in Priority},
             kv_blocks_used=bm.num_used_blocks,
             kv_blocks_total=bm.num_blocks,
             kv_by_tenant=bm.by_tenant(),

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import enum
 import importlib
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -244,6 +244,16 @@ class Scheduler:
         classes = [priority] if priority is not None else list(Priority)
         return sum(len(q) for p in classes for q in self.waiting[p].values())
 
+    def pending_prompt_tokens(self, priority: Priority) -> int:
+        """Prompt tokens of class ``priority`` still to compute: waiting requests' whole prompts (or
+        what a preemption left to recompute) and running ones' remaining chunks."""
+        waiting = sum(s.num_tokens - s.num_computed_tokens for q in self.waiting[priority].values() for s in q)
+        return waiting + sum(
+            s.num_tokens - s.num_computed_tokens - 1
+            for s in self.running
+            if s.priority == priority and s.is_prefilling
+        )
+
     def num_running(self, priority: Priority | None = None) -> int:
         return sum(1 for s in self.running if priority is None or s.priority == priority)
 
@@ -258,19 +268,37 @@ class Scheduler:
         step = _Step(budget=self.config.max_num_batched_tokens)
         admission_open = self.admits_waiting()
         for prio in Priority:
-            for seq in sorted(
+            running = sorted(
                 (s for s in self.running if s.priority == prio),
                 key=lambda s: (self.fair.counter(s.priority, s.tenant), s.arrival),
-            ):
+            )
+            # Decodes first: one token each keeps every stream of the class moving.
+            for seq in running:
                 if step.budget == 0:
                     break
-                if seq.status is SequenceStatus.RUNNING and seq not in step.scheduled:
+                if (
+                    seq.status is SequenceStatus.RUNNING
+                    and seq not in step.scheduled
+                    and not seq.is_prefilling
+                ):
                     self._schedule_running(seq, step)
+            # Then prompt work, the least-served tenant's first, whether its sequence is running
+            # or waiting: a tenant's long prompts in flight never hold back another's new request.
+            prefilling = [s for s in running if s.is_prefilling]
             gated: set[str] = set()  # tenants whose next sequence the gate holds back this step
-            while admission_open and step.budget > 0:
-                head = self._next_waiting(prio, gated)
-                if head is None:
+            while step.budget > 0:
+                prefilling = [
+                    s for s in prefilling if s.status is SequenceStatus.RUNNING and s not in step.scheduled
+                ]
+                ahead = min(prefilling, key=self._fair_key, default=None)
+                head = self._next_waiting(prio, gated) if admission_open else None
+                if ahead is None and head is None:
                     break
+                if head is None or (ahead is not None and self._runs_before(ahead, head)):
+                    assert ahead is not None
+                    self._schedule_running(ahead, step)
+                    prefilling.remove(ahead)
+                    continue
                 admitted = self._admit(head, step)
                 if admitted is None:
                     gated.add(head.tenant)
@@ -284,13 +312,30 @@ class Scheduler:
             seqs=list(step.scheduled), num_tokens=list(step.scheduled.values()), preempted=step.preempted
         )
 
+    def _fair_key(self, seq: Sequence) -> tuple[float, int]:
+        return (self.fair.counter(seq.priority, seq.tenant), seq.arrival)
+
+    def _runs_before(self, running: Sequence, waiting: Sequence) -> bool:
+        """Whether a running sequence's prompt chunk goes before a waiting one's admission: the
+        less-served tenant first; at a tie, FCFS inside a tenant, and across tenants the newcomer
+        (a tenant coming back is lifted to the others' counter, and must not lose every tie)."""
+        ran, wait = (
+            self.fair.counter(running.priority, running.tenant),
+            self.fair.counter(waiting.priority, waiting.tenant),
+        )
+        if ran != wait:
+            return ran < wait
+        return running.tenant == waiting.tenant
+
     def _next_waiting(self, prio: Priority, skip: set[str] | frozenset[str] = frozenset()) -> Sequence | None:
         queues = self.waiting[prio]
         tenants = [t for t in queues if t not in skip]
         if not tenants:
             return None
-        tenant = min(tenants, key=lambda t: (self.fair.counter(prio, t), queues[t][0].arrival))
-        return queues[tenant][0]
+        if len(tenants) > 1:  # at a tie of counters, the tenant with the least running goes first
+            running = Counter(s.tenant for s in self.running if s.priority == prio)
+            tenants.sort(key=lambda t: (self.fair.counter(prio, t), running[t], queues[t][0].arrival))
+        return queues[tenants[0]][0]
 
     def _prefix(self, seq: Sequence) -> list[int] | None:
         """Prefix-cache hits for a sequence about to get its first blocks; None once it has some."""

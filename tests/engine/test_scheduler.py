@@ -110,6 +110,23 @@ def test_chunked_prefill_never_stalls_decodes() -> None:
     _assert_clean(sim)
 
 
+def test_a_tenants_prompts_in_flight_never_hold_back_another_tenants_new_request() -> None:
+    # The flooder's running prefill chunks could fill every step's budget for 60 steps; the other
+    # tenant, less served, gets its prompt into the very next step.
+    sim = SchedulerSim(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=1024)
+    for _ in range(4):
+        sim.submit(1000, 4, tenant="flood")
+    for _ in range(3):
+        batch = sim.step()
+        assert batch.total_tokens == 64
+    rid = sim.submit(8, 4, tenant="quiet")
+    start = sim.step_no
+    sim.step()
+    assert sim.requests[rid].first_token_step == start
+    sim.run()
+    _assert_clean(sim)
+
+
 def test_out_of_blocks_preempts_lowest_priority_most_over_share() -> None:
     # 12 blocks of 4 tokens; three sequences each needing up to 8 blocks cannot all fit.
     sim = SchedulerSim(max_num_seqs=8, max_num_batched_tokens=64, num_blocks=12, block_size=4)

@@ -8,6 +8,7 @@ from typing import Any
 import grpc
 import pytest
 from google.rpc import error_details_pb2, status_pb2
+from prometheus_client import REGISTRY
 
 from common import Priority
 from gateway.grpc.status import RETRY_AFTER_METADATA
@@ -171,6 +172,42 @@ async def test_exhausted_quota_returns_retry_delay(gateway: Gateway) -> None:
     retry = error_details_pb2.RetryInfo()
     assert any(d.Unpack(retry) for d in rich_status(err).details)
     assert 0 < retry.retry_delay.seconds + retry.retry_delay.nanos / 1e9 <= 60
+
+
+async def test_slo_admission_refuses_a_predicted_miss_with_its_reason_and_counts_goodput(
+    gateway: Gateway,
+) -> None:
+    # A target no replica can meet (1 us to the first token) against one any can (an hour).
+    strict, strict_key = await gateway.tenant(slo={"standard": {"ttft_ms": 0.001}})
+    easy, easy_key = await gateway.tenant(slo={"standard": {"ttft_ms": 3_600_000}})
+    async with gateway.client(easy_key) as client:
+        await collect(client.generate_call(req(max_tokens=2)))  # the replicas publish a rate
+
+    async def refused() -> grpc.aio.AioRpcError | None:
+        async with gateway.client(strict_key) as client:
+            try:
+                await collect(client.generate_call(req(max_tokens=2)))
+            except grpc.aio.AioRpcError as err:
+                return err
+        return None  # no replica could tell yet: admitted
+
+    err = None
+
+    async def got_refused() -> bool:
+        nonlocal err
+        err = await refused()
+        return err is not None
+
+    await eventually(got_refused, timeout_s=20)
+    assert err is not None and err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "predicted time to first token" in err.details() and "standard target of 0.00 s" in err.details()
+
+    def goodput(tenant_id: str, outcome: str) -> float:
+        labels = {"tenant": tenant_id, "priority": "standard", "outcome": outcome}
+        return REGISTRY.get_sample_value("loom:slo_requests_total", labels) or 0.0
+
+    assert goodput(easy.id, "met") == 1
+    assert goodput(strict.id, "refused") >= 1
 
 
 # ---- cancellation, deadlines, accounting ---------------------------------------------------------

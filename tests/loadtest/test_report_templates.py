@@ -29,6 +29,7 @@ REPORTS = [
     ("bench_lora", "to_markdown", "lora"),
     ("bench_structured", "to_markdown", "structured"),
     ("bench_fairness", "to_markdown", "fairness"),
+    ("bench_noisy", "to_markdown", "noisy"),
     ("bench_isolation", "to_markdown", "isolation"),
     ("bench_admission", "markdown", "admission"),
     ("calibrate", "to_markdown", "calibration"),
@@ -69,7 +70,7 @@ def test_served_summary_renders_to_the_committed_markdown() -> None:
 def test_every_template_belongs_to_a_report() -> None:
     used = {"engine", "gateway", "lora", "isolation", "admission", "calibration", "soak", "fuzz"}
     used |= {"simulator", "served", "report", "stream-cost", "served-vs-vllm", "stream-cost-gateways"}
-    used |= {"structured", "fairness"}
+    used |= {"structured", "fairness", "noisy"}
     assert {p.name.removesuffix(".md.j2") for p in markdown.TEMPLATES_DIR.glob("*.md.j2")} == used
 
 

@@ -101,3 +101,16 @@ def test_the_simulation_is_deterministic() -> None:
     two = Simulator(DEP, spec()).run(reqs)
     assert [r.chunk_times for r in one.records] == [r.chunk_times for r in two.records]
     assert all(r.code == OK and r.completion_tokens == reqs[r.index].max_tokens for r in one.records)
+
+
+def test_noisy_neighbour_on_the_virtual_clock_keeps_the_quiet_tenants_prefix_with_a_floor() -> None:
+    # The noisy benchmark's runs at the small step budget: the flood evicts the quiet tenant's
+    # system prompt between its requests unless the tenant has a KV floor.
+    from loadtest import bench_noisy
+
+    alone = bench_noisy.run_case(False, 0.0, 256)["quiet"]
+    unprotected = bench_noisy.run_case(True, 0.0, 256)["quiet"]
+    protected = bench_noisy.run_case(True, bench_noisy.FLOOR, 256)["quiet"]
+    assert alone["prefix_hit_rate"] - unprotected["prefix_hit_rate"] > 0.2
+    assert protected["prefix_hit_rate"] == alone["prefix_hit_rate"]
+    assert protected["finished"] == alone["finished"] == alone["requests"]
