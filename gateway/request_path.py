@@ -492,10 +492,9 @@ class RequestPath:
             finally:
                 deadline.close()
         E2E.labels(priority).observe(time.monotonic() - call.started)
-        tpot = (
-            (last_token_at - first_token_at) / (delivered - 1) if first_token_at is not None and delivered > 1 else None
-        )
-        if tpot is not None:
+        tpot = None
+        if first_token_at is not None and delivered > 1:
+            tpot = (last_token_at - first_token_at) / (delivered - 1)
             TPOT.labels(priority).observe(tpot)
         ttft = first_token_at - call.started if first_token_at is not None else None
         record_outcome(tenant, request.priority, ttft, tpot)

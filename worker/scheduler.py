@@ -247,7 +247,8 @@ class Scheduler:
     def pending_prompt_tokens(self, priority: Priority) -> int:
         """Prompt tokens of class ``priority`` still to compute: waiting requests' whole prompts (or
         what a preemption left to recompute) and running ones' remaining chunks."""
-        waiting = sum(s.num_tokens - s.num_computed_tokens for q in self.waiting[priority].values() for s in q)
+        queues = self.waiting[priority].values()
+        waiting = sum(s.num_tokens - s.num_computed_tokens for q in queues for s in q)
         return waiting + sum(
             s.num_tokens - s.num_computed_tokens - 1
             for s in self.running
