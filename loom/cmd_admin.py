@@ -65,6 +65,27 @@ def _limit(text: str) -> int | None:
         raise argparse.ArgumentTypeError(f"expected an integer or 'unlimited', got {text!r}") from None
 
 
+def _slo(text: str) -> tuple[str, dict[str, Any] | None]:
+    """``interactive:ttft_ms=500,tpot_ms=50`` -> (class, target); ``batch:none`` -> (class, None).
+    The values are checked with the tenant (the store's validation names a bad one)."""
+    cls, sep, rest = text.partition(":")
+    if not sep or cls not in {p.value for p in Priority}:
+        raise argparse.ArgumentTypeError(
+            f"expected CLASS:key=value,... with CLASS one of interactive, standard, batch; got {text!r}"
+        )
+    if rest.strip().lower() == "none":
+        return cls, None
+    target: dict[str, Any] = {}
+    for item in filter(None, (x.strip() for x in rest.split(","))):
+        key, eq, value = item.partition("=")
+        if not eq or key not in ("ttft_ms", "tpot_ms", "on_miss"):
+            raise argparse.ArgumentTypeError(
+                f"{item!r}: expected ttft_ms=N, tpot_ms=N or on_miss=refuse|queue"
+            )
+        target[key] = value
+    return cls, target
+
+
 def _add_tenant_fields(p: argparse.ArgumentParser) -> None:
     p.add_argument("--name", dest="display_name", help="display name")
     p.add_argument("--priority-ceiling", choices=[x.value for x in Priority])
@@ -74,6 +95,13 @@ def _add_tenant_fields(p: argparse.ArgumentParser) -> None:
         "--kv-floor", type=float, help="share of each replica's KV blocks kept whatever others do (0-1)"
     )
     p.add_argument("--kv-cap", type=float, help="most of each replica's KV blocks the tenant may hold (0-1)")
+    p.add_argument(
+        "--slo",
+        type=_slo,
+        action="append",
+        metavar="CLASS:ttft_ms=N[,tpot_ms=N][,on_miss=refuse|queue]",
+        help="latency target of a priority class (repeatable); CLASS:none removes it",
+    )
     p.add_argument("--models", help="comma-separated allowed models or patterns ('*' = all)")
     p.add_argument("--pool", choices=["shared", "dedicated"])
     p.add_argument("--dedicated-pool", help="name of the tenant's dedicated pool (with --pool dedicated)")
@@ -109,6 +137,8 @@ def _tenant_changes(args: argparse.Namespace) -> dict[str, Any]:
         value = getattr(args, field, None)
         if value is not None:
             changes[field] = value
+    if getattr(args, "slo", None):
+        changes["slo"] = dict(args.slo)
     if getattr(args, "models", None) is not None:
         changes["allowed_models"] = [m.strip() for m in args.models.split(",") if m.strip()]
     # Quota flags default to SUPPRESS: present on the namespace only when given (None = unlimited).
@@ -244,6 +274,8 @@ def _dispatch(store: TenantAdmin, args: argparse.Namespace, actor: str, out: _Ou
     if group == "tenant":
         if action == "create":
             data: dict[str, Any] = {"id": args.tenant_id, **_tenant_changes(args)}
+            if "slo" in data:
+                data["slo"] = {k: v for k, v in data["slo"].items() if v is not None}
             if args.suspended:
                 data["status"] = TenantStatus.SUSPENDED.value
             tenant = store.create_tenant(parse_tenant(data), actor=actor)

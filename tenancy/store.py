@@ -90,7 +90,8 @@ class TenantAdmin(Protocol):
 
 
 def apply_changes(tenant: Tenant, changes: Mapping[str, Any]) -> Tenant:
-    """``tenant`` with ``changes`` applied and validated; ``quotas`` may be a partial mapping.
+    """``tenant`` with ``changes`` applied and validated; ``quotas`` may be a partial mapping, and so
+    may ``slo`` (by class; a class mapped to None loses its target).
 
     Raises :class:`TenantValidationError` naming every bad field (and any field that is not updatable).
     """
@@ -103,6 +104,9 @@ def apply_changes(tenant: Tenant, changes: Mapping[str, Any]) -> Tenant:
     for field, value in changes.items():
         if field == "quotas" and isinstance(value, Mapping):
             data["quotas"] = {**data["quotas"], **value}
+        elif field == "slo" and isinstance(value, Mapping):  # by class; None removes a class's target
+            merged = {**data["slo"], **{str(k): v for k, v in value.items()}}
+            data["slo"] = {k: v for k, v in merged.items() if v is not None}
         else:
             data[field] = value.value if hasattr(value, "value") else value
     data["updated_at"] = utcnow().isoformat()

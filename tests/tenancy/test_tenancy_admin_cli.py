@@ -40,6 +40,31 @@ def admin(redis_url, redis_prefix, monkeypatch, capsys):
     return run
 
 
+def test_admin_cli_kv_shares_and_slo_targets(admin):
+    admin("tenant", "create", "acme", "--slo", "standard:ttft_ms=2000", "--slo", "batch:none")
+    shared = admin("tenant", "update", "acme", "--kv-floor", "0.1", "--kv-cap", "0.5")
+    assert (shared["kv_floor"], shared["kv_cap"]) == (0.1, 0.5)
+    assert "kv_floor (0.9) is above kv_cap" in admin(
+        "tenant", "update", "acme", "--kv-floor", "0.9", expect=1
+    )
+    slo = admin(
+        "tenant", "update", "acme",
+        "--slo", "interactive:ttft_ms=500,tpot_ms=50", "--slo", "batch:ttft_ms=60000,on_miss=queue",
+    )  # fmt: skip
+    assert slo["slo"] == {  # merged by class with what the tenant had
+        "standard": {"ttft_ms": 2000.0, "tpot_ms": None, "on_miss": "refuse"},
+        "interactive": {"ttft_ms": 500.0, "tpot_ms": 50.0, "on_miss": "refuse"},
+        "batch": {"ttft_ms": 60000.0, "tpot_ms": None, "on_miss": "queue"},
+    }
+    assert set(admin("tenant", "update", "acme", "--slo", "batch:none")["slo"]) == {"interactive", "standard"}
+    assert "slo.interactive.ttft_ms" in admin(
+        "tenant", "update", "acme", "--slo", "interactive:ttft_ms=0", expect=1
+    )
+    with pytest.raises(SystemExit) as usage:  # argparse refuses an unknown class before any store call
+        admin("tenant", "update", "acme", "--slo", "urgent:ttft_ms=5")
+    assert usage.value.code == 2
+
+
 def test_admin_cli_full_cycle(admin, settings, redis_client, caplog):
     caplog.set_level(logging.DEBUG)
     created = admin(
