@@ -221,7 +221,9 @@ class RequestPath:
             sampling = self._size(tenant, valid, route, len(prompt_ids))
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
             call.priority = engine_request.priority.value
-            self.slo.admit(tenant, engine_request.priority, len(prompt_ids), route.pool)
+            self.slo.admit(
+                tenant, engine_request.priority, len(prompt_ids), route.pool.name, route.pool.replica_stats()
+            )
             admission = await self._admit(tenant, valid, engine_request)
             ticket.release()
             deltas = self._dispatch(tenant, valid, route, engine_request, admission, call)

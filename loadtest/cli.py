@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_lora,
         bench_noisy,
         bench_served,
+        bench_slo,
         bench_stream_cost,
         bench_structured,
         calibrate,
@@ -42,6 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_structured.register(bench_sub)  # loom bench structured
     bench_fairness.register(bench_sub)  # loom bench fairness
     bench_noisy.register(bench_sub)  # loom bench noisy
+    bench_slo.register(bench_sub)  # loom bench slo
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser

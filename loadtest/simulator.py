@@ -24,17 +24,20 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from common import Priority
 from loadtest.costmodel import Deployment, StepItem, step_cost
 from loadtest.generator import PlannedRequest
 from loadtest.static_batching import Batching
 from loadtest.stats import INCOMPLETE, OK, RequestRecord, SloSpec, grouped
 from protocol.requests import KvShare, SamplingParams
+from protocol.stats import EngineStats
 from worker.block_manager import BlockManager
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
@@ -136,6 +139,34 @@ class _Replica:
     outstanding: int = 0
     in_flight: tuple[ScheduledBatch, list[Sequence]] | None = None
     high_water: dict[Sequence, int] = field(default_factory=dict)  # tokens ever computed, per sequence
+    computed_tokens: int = 0
+    step_seconds: float = 0.0
+    num_steps: int = 0
+    full_step_prompt_tokens: int = 0  # as the engine counts them (worker/engine_counters.py)
+    full_step_seconds: float = 0.0
+    published: EngineStats | None = None  # the stats as last published (every PUBLISH_PERIOD_S)
+    published_at: float = -math.inf
+
+    def publish(self, now: float) -> EngineStats:
+        """What the replica's routing stats say at ``now``: refreshed once a period, as Serve's are."""
+        if self.published is None or now - self.published_at >= PUBLISH_PERIOD_S:
+            self.published_at = now
+            self.published = EngineStats(
+                running={p: self.scheduler.num_running(p) for p in Priority},
+                waiting={p: self.scheduler.num_waiting(p) for p in Priority},
+                pending_prompt_tokens={p: self.scheduler.pending_prompt_tokens(p) for p in Priority},
+                computed_tokens=self.computed_tokens,
+                step_seconds=self.step_seconds,
+                num_steps=self.num_steps,
+                full_step_prompt_tokens=self.full_step_prompt_tokens,
+                full_step_seconds=self.full_step_seconds,
+            )
+        return self.published
+
+
+# An arrival's admission: None to admit it, else the reason it is refused (RESOURCE_EXHAUSTED).
+Admission = Callable[[PlannedRequest, dict[str, EngineStats]], str | None]
+PUBLISH_PERIOD_S = 1.0  # serving/replica.py's routing stats period
 
 
 class SimulationStuckError(RuntimeError):
@@ -248,9 +279,15 @@ class Simulator:
         sched = e.mode.scheduler(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_len), bm)
         return _Replica(i, sched, bm)
 
-    def run(self, requests: Seq[PlannedRequest], horizon_s: float | None = None) -> SimResult:
+    def run(
+        self,
+        requests: Seq[PlannedRequest],
+        horizon_s: float | None = None,
+        admission: Admission | None = None,
+    ) -> SimResult:
         """Serve ``requests`` (``at_s`` is each arrival); stop at ``horizon_s`` if given, leaving what
-        is unfinished INCOMPLETE (an infinite TTFT if it never started)."""
+        is unfinished INCOMPLETE (an infinite TTFT if it never started). ``admission`` is asked at
+        each arrival, with the replicas' published stats, as a gateway would before dispatching."""
         reps = [self._replica(i) for i in range(self.replicas)]
         order = sorted(range(len(requests)), key=lambda i: (requests[i].at_s, i))
         records = [
@@ -285,6 +322,11 @@ class Simulator:
                 while ai < len(order) and requests[order[ai]].at_s == now:  # simultaneous arrivals together
                     i = order[ai]
                     ai += 1
+                    if admission is not None:
+                        refused = admission(requests[i], {str(r.index): r.publish(now) for r in reps})
+                        if refused is not None:
+                            records[i].code, records[i].error = "RESOURCE_EXHAUSTED", refused
+                            continue
                     rep = min(reps, key=lambda r: (r.outstanding, r.index))
                     seq = make_sequence(requests[i])
                     owner[seq] = i
@@ -341,6 +383,12 @@ class Simulator:
             else:
                 padding += 1
         cost = step_cost(self.dep, items)
+        rep.computed_tokens += batch.total_tokens
+        rep.step_seconds += cost.seconds
+        rep.num_steps += 1
+        if 2 * batch.total_tokens >= self.engine.max_num_batched_tokens:
+            rep.full_step_prompt_tokens += sum(n for n in batch.num_tokens if n > 1)
+            rep.full_step_seconds += cost.seconds
         e = self.engine
         res_max = res_cap = res_oracle = kv_live = 0
         scheduled = dict(zip(batch.seqs, batch.num_tokens, strict=True))

@@ -41,6 +41,10 @@ class EngineStats:
     step_seconds: float = 0.0  # time inside forward steps, all steps (busy fraction over any window)
     step_seq_seconds: float = 0.0  # live sequences x step seconds (slot occupancy over any window)
     step_bytes: int = 0  # weights + KV read and written by all steps (bandwidth utilization)
+    # Prompt tokens (rows of more than one token) and time of the steps that used half the token
+    # budget or more: the pace prompt queues drain at (what SLO admission predicts from).
+    full_step_prompt_tokens: int = 0
+    full_step_seconds: float = 0.0
     last_step_tokens: int = 0
     last_step_seqs: int = 0  # live requests in the last step
     busy_fraction: float = 0.0  # share of the last 10 s spent inside forward steps

@@ -87,7 +87,7 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, self.kv_cache, self.lora, self.grammars)
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
-        self.counters = EngineCounters()
+        self.counters = EngineCounters(step_budget=config.max_num_batched_tokens)
         # Set by whatever may unblock a stalled step: an adapter load that finished, a driver's command.
         self.wakeup = threading.Event()
         self._stalled = False

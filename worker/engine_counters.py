@@ -18,11 +18,16 @@ BUSY_WINDOW_S = 10.0
 
 @dataclass
 class EngineCounters:
+    step_budget: int = 1  # max_num_batched_tokens: a step using half of it or more counts as full
     steps: int = 0
     step_tokens: int = 0
     step_seconds: float = 0.0
     step_seq_seconds: float = 0.0
     step_bytes: int = 0
+    # Of the steps that used half the budget or more: prompt tokens (rows of more than one token)
+    # and seconds, the pace at which prompt queues drain.
+    full_step_prompt_tokens: int = 0
+    full_step_seconds: float = 0.0
     last_step_tokens: int = 0
     last_step_seqs: int = 0
     finished: int = 0
@@ -41,6 +46,9 @@ class EngineCounters:
         self.steps += 1
         self.consecutive_failed_steps = 0
         self.step_tokens += tokens
+        if 2 * tokens >= self.step_budget:
+            self.full_step_prompt_tokens += sum(n for n in batch.num_tokens if n > 1)
+            self.full_step_seconds += t1 - t0
         self.last_step_tokens = tokens
         self.last_step_seqs = seqs
         self.busy.append((t0, t1))
@@ -68,6 +76,8 @@ class EngineCounters:
             step_seconds=self.step_seconds,
             step_seq_seconds=self.step_seq_seconds,
             step_bytes=self.step_bytes,
+            full_step_prompt_tokens=self.full_step_prompt_tokens,
+            full_step_seconds=self.full_step_seconds,
             busy_fraction=busy / max(now - window_start, 1e-9),
             prefix_cache_queries=bm.prefix_queries,
             prefix_cache_hits=bm.prefix_hits,

@@ -27,9 +27,14 @@ class FakePool:
 def _stats(
     pending: dict[Priority, int], *, tokens: int = 10_000, seconds: float = 10.0, steps: int = 100
 ) -> EngineStats:
-    # 1,000 tokens per busy second, 0.1 s a step
+    # prompt tokens at 1,000 per second of full steps, 0.1 s a step on average
     return EngineStats(
-        pending_prompt_tokens=pending, computed_tokens=tokens, step_seconds=seconds, num_steps=steps
+        pending_prompt_tokens=pending,
+        computed_tokens=tokens // 2,  # the average over all steps understates prompt work's pace
+        step_seconds=seconds,
+        num_steps=steps,
+        full_step_prompt_tokens=tokens,
+        full_step_seconds=seconds,
     )
 
 
@@ -48,14 +53,14 @@ def test_prediction_is_the_queue_ahead_at_the_replicas_rate_on_the_least_loaded_
         b=_stats({Priority.INTERACTIVE: 500, Priority.BATCH: 90_000}),
     )
     slo = SloAdmission()
-    guess = slo.predict(pool, Priority.INTERACTIVE, 500)  # type: ignore[arg-type]
+    guess = slo.predict(pool.name, pool.replica_stats(), Priority.INTERACTIVE, 500, now=0.0)
     assert guess is not None
     # b: 500 interactive tokens ahead + its own 500 at 1,000 tokens/s, plus a 0.1 s step in flight;
     # lower classes do not count (they are served after).
     assert guess.tokens_ahead == 1000
     assert guess.ttft_s == pytest.approx(1.1)
     # for a standard request, the interactive and standard queues are both ahead
-    standard = slo.predict(pool, Priority.STANDARD, 0)  # type: ignore[arg-type]
+    standard = slo.predict(pool.name, pool.replica_stats(), Priority.STANDARD, 0, now=0.0)
     assert standard is not None and standard.tokens_ahead == 500
 
 
@@ -64,7 +69,7 @@ def test_a_predicted_miss_is_refused_with_the_prediction_and_the_target() -> Non
     tenant = _tenant(interactive=SloTarget(ttft_ms=500))
     before = _count("refused")
     with pytest.raises(GatewayError) as info:
-        SloAdmission().admit(tenant, Priority.INTERACTIVE, 1000, pool)  # type: ignore[arg-type]
+        SloAdmission().admit(tenant, Priority.INTERACTIVE, 1000, pool.name, pool.replica_stats(), now=0.0)
     err = info.value
     assert err.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert (
@@ -79,22 +84,40 @@ def test_a_predicted_miss_is_refused_with_the_prediction_and_the_target() -> Non
 def test_light_load_no_target_and_queue_mode_are_admitted() -> None:
     loaded = FakePool(a=_stats({Priority.INTERACTIVE: 4000}))
     light = FakePool(a=_stats({Priority.INTERACTIVE: 100}))
-    SloAdmission().admit(_tenant(interactive=SloTarget(ttft_ms=500)), Priority.INTERACTIVE, 100, light)  # type: ignore[arg-type]
-    SloAdmission().admit(_tenant(), Priority.INTERACTIVE, 100, loaded)  # type: ignore[arg-type]
-    SloAdmission().admit(_tenant(interactive=SloTarget(tpot_ms=10)), Priority.INTERACTIVE, 100, loaded)  # type: ignore[arg-type]
+    SloAdmission().admit(
+        _tenant(interactive=SloTarget(ttft_ms=500)),
+        Priority.INTERACTIVE,
+        100,
+        light.name,
+        light.replica_stats(),
+        now=0.0,
+    )
+    SloAdmission().admit(_tenant(), Priority.INTERACTIVE, 100, loaded.name, loaded.replica_stats(), now=0.0)
+    SloAdmission().admit(
+        _tenant(interactive=SloTarget(tpot_ms=10)),
+        Priority.INTERACTIVE,
+        100,
+        loaded.name,
+        loaded.replica_stats(),
+        now=0.0,
+    )
     queued = _count("queued")
     SloAdmission().admit(
         _tenant(interactive=SloTarget(ttft_ms=500, on_miss="queue")),
         Priority.INTERACTIVE,
         100,
-        loaded,  # type: ignore[arg-type]
+        loaded.name,
+        loaded.replica_stats(),
+        now=0.0,
     )
     assert _count("queued") == queued + 1
 
 
 def test_a_fresh_replica_that_cannot_tell_yet_admits() -> None:
     pool = FakePool(a=EngineStats(pending_prompt_tokens={Priority.INTERACTIVE: 10**6}))
-    SloAdmission().admit(_tenant(interactive=SloTarget(ttft_ms=1)), Priority.INTERACTIVE, 100, pool)  # type: ignore[arg-type]
+    SloAdmission().admit(
+        _tenant(interactive=SloTarget(ttft_ms=1)), Priority.INTERACTIVE, 100, pool.name, pool.replica_stats()
+    )
 
 
 def test_a_burst_between_two_readings_counts_what_it_admitted() -> None:
@@ -104,21 +127,31 @@ def test_a_burst_between_two_readings_counts_what_it_admitted() -> None:
     admitted = 0
     with pytest.raises(GatewayError):
         for _ in range(100):  # stats never move: the gateway's own admissions must fill the queue
-            slo.admit(tenant, Priority.INTERACTIVE, 200, pool)  # type: ignore[arg-type]
+            slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats(), now=0.0)
             admitted += 1
     # 0.9 s of room at 1,000 tokens/s on each of two replicas: about 9 requests of 200 tokens
     assert 5 <= admitted <= 10
     pool.replicas = {n: _stats({}, steps=101) for n in ("a", "b")}  # a new reading: the burst is in it
-    slo.admit(tenant, Priority.INTERACTIVE, 200, pool)  # type: ignore[arg-type]
+    slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats(), now=0.0)
+
+
+def test_what_a_replica_worked_off_since_its_reading_is_not_counted_again() -> None:
+    pool = FakePool(a=_stats({Priority.INTERACTIVE: 3000}))
+    slo = SloAdmission()
+    fresh = slo.predict(pool.name, pool.replica_stats(), Priority.INTERACTIVE, 100, now=50.0)
+    # the same reading 2 s later: 2,000 of the 3,000 tokens are done by now at 1,000 tokens/s
+    stale = slo.predict(pool.name, pool.replica_stats(), Priority.INTERACTIVE, 100, now=52.0)
+    assert fresh is not None and stale is not None
+    assert (fresh.tokens_ahead, stale.tokens_ahead) == (3100, 1100)
 
 
 def test_the_rate_follows_the_latest_readings() -> None:
     pool = FakePool(a=_stats({Priority.INTERACTIVE: 1000}))
     slo = SloAdmission()
-    first = slo.predict(pool, Priority.INTERACTIVE, 0)  # type: ignore[arg-type]
+    first = slo.predict(pool.name, pool.replica_stats(), Priority.INTERACTIVE, 0, now=0.0)
     # the replica slowed down: 1,000 more tokens in the next 10 busy seconds (100 tokens/s)
     pool.replicas = {"a": _stats({Priority.INTERACTIVE: 1000}, tokens=11_000, seconds=20.0, steps=200)}
-    later = slo.predict(pool, Priority.INTERACTIVE, 0)  # type: ignore[arg-type]
+    later = slo.predict(pool.name, pool.replica_stats(), Priority.INTERACTIVE, 0, now=0.0)
     assert first is not None and later is not None
     assert first.ttft_s == pytest.approx(1.1) and later.ttft_s == pytest.approx(10.1)
 

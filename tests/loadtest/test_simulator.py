@@ -114,3 +114,19 @@ def test_noisy_neighbour_on_the_virtual_clock_keeps_the_quiet_tenants_prefix_wit
     assert alone["prefix_hit_rate"] - unprotected["prefix_hit_rate"] > 0.2
     assert protected["prefix_hit_rate"] == alone["prefix_hit_rate"]
     assert protected["finished"] == alone["finished"] == alone["requests"]
+
+
+def test_slo_admission_past_the_knee_keeps_admitted_interactive_requests_in_their_targets(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The slo benchmark's workload, shortened, at about 1.5x its knee: admitting everything, the
+    # interactive queue outgrows its targets; the gateway's admission code refuses the requests
+    # it predicts to miss, each with the reason, and the admitted ones keep their targets.
+    from loadtest import bench_slo
+
+    monkeypatch.setattr(bench_slo, "DURATION_S", 40.0)
+    everything = bench_slo.summarize(bench_slo._run(64.0, admit=False))
+    admitted = bench_slo.summarize(bench_slo._run(64.0, admit=True))
+    assert everything["goodput_of_admitted"] < 0.5
+    assert admitted["goodput_of_admitted"] >= 0.95
+    assert 0 < admitted["chat_refused"] == admitted["refusals_with_reason"]
