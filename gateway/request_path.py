@@ -222,7 +222,7 @@ class RequestPath:
             engine_request = self._tag(tenant, valid, prompt_ids, sampling, adapter)
             call.priority = engine_request.priority.value
             self.slo.admit(
-                tenant, engine_request.priority, len(prompt_ids), route.pool.name, route.pool.replica_stats()
+                tenant, engine_request.priority, len(prompt_ids), route.pool.name, route.pool.replica_stats
             )
             admission = await self._admit(tenant, valid, engine_request)
             ticket.release()

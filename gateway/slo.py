@@ -22,6 +22,7 @@ SLO is a metric per tenant and class (``loom:slo_requests_total``).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import Counter
@@ -44,9 +45,9 @@ _MIN_RATE_WINDOW_S = 0.2
 
 @dataclass
 class _Replica:
-    computed_tokens: int = 0  # full steps' tokens and seconds at the last reading that moved enough
-    step_seconds: float = 0.0
-    rate: float | None = None  # tokens per second of full steps between the last two such readings
+    prompt_tokens: int = 0  # full steps' prompt tokens and seconds at the last reading that moved enough
+    seconds: float = 0.0
+    rate: float | None = None  # prompt tokens per second of full steps between the last two such readings
 
 
 @dataclass
@@ -74,12 +75,12 @@ class SloAdmission:
         """Prompt tokens per second of the replica's full steps, over its latest readings that moved
         enough, else over its life; its steps' overall pace where it has had no full step."""
         r = self._replicas.setdefault((pool, name), _Replica())
-        d_seconds = s.full_step_seconds - r.step_seconds
+        d_seconds = s.full_step_seconds - r.seconds
         if d_seconds >= _MIN_RATE_WINDOW_S:
-            r.rate = (s.full_step_prompt_tokens - r.computed_tokens) / d_seconds
-            r.computed_tokens, r.step_seconds = s.full_step_prompt_tokens, s.full_step_seconds
+            r.rate = (s.full_step_prompt_tokens - r.prompt_tokens) / d_seconds
+            r.prompt_tokens, r.seconds = s.full_step_prompt_tokens, s.full_step_seconds
         elif d_seconds < 0:  # the replica restarted
-            r.computed_tokens, r.step_seconds, r.rate = s.full_step_prompt_tokens, s.full_step_seconds, None
+            r.prompt_tokens, r.seconds, r.rate = s.full_step_prompt_tokens, s.full_step_seconds, None
         if r.rate:
             return r.rate
         if s.full_step_seconds > 0:
@@ -121,14 +122,15 @@ class SloAdmission:
         priority: Priority,
         prompt_tokens: int,
         pool: str,
-        stats: dict[str, EngineStats],
+        stats: Callable[[], dict[str, EngineStats]],
         now: float | None = None,
     ) -> None:
         """Refuse (GatewayError) a request predicted to miss its tenant's TTFT target, unless the
-        target says to queue it; count it toward the pool's unpublished load when it goes on."""
+        target says to queue it; count it toward the pool's unpublished load when it goes on.
+        ``stats`` reads the pool's published stats: only a request with a target needs them."""
         target = tenant.slo.get(priority)
         if target is not None and target.ttft_ms is not None:
-            guess = self.predict(pool, stats, priority, prompt_tokens, now)
+            guess = self.predict(pool, stats(), priority, prompt_tokens, now)
             if guess is not None and guess.ttft_s * 1000 > target.ttft_ms:
                 SLO_REQUESTS.labels(tenant.id, priority.value, _missed_outcome(target)).inc()
                 if target.on_miss == "refuse":

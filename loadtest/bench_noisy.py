@@ -120,7 +120,7 @@ def run_benchmark(out_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
     cases = {name: run_case(flooder, floor, budget) for name, flooder, floor, budget in CASES}
     alone = {c["budget"]: c["quiet"] for c in cases.values() if "flood" not in c}
     for case in cases.values():
-        q, solo = case["quiet"], alone[BUDGETS[0] if case["budget"] not in alone else case["budget"]]
+        q, solo = case["quiet"], alone.get(case["budget"], alone[BUDGETS[0]])
         q["ttft_p99_vs_alone"] = q["ttft_p99_ms"] / solo["ttft_p99_ms"]
         q["hit_rate_points_vs_alone"] = 100 * (q["prefix_hit_rate"] - solo["prefix_hit_rate"])
     report = {

@@ -63,7 +63,7 @@ def _run(chat_rate: float, admit: bool) -> SimResult:
 
     def admission(req: PlannedRequest, stats: dict[str, EngineStats]) -> str | None:
         try:
-            slo.admit(tenants[req.tenant], req.priority, req.prompt_len, "sim", stats, now=req.at_s)
+            slo.admit(tenants[req.tenant], req.priority, req.prompt_len, "sim", lambda: stats, now=req.at_s)
         except GatewayError as err:
             return err.message
         return None

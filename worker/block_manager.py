@@ -75,6 +75,10 @@ class BlockManager:
         """Blocks ``tenant`` holds: in use by its sequences, or caching its prefixes."""
         return self._held.get(tenant, 0)
 
+    def over_floor(self, tenant: str) -> bool:
+        """Whether ``tenant`` holds more than its floor (what others may take from it)."""
+        return self.held(tenant) > self.shares.floor(tenant)
+
     def by_tenant(self) -> dict[str, TenantKv]:
         tenants = set(self.shares.tenants()) | {t for t, n in self._held.items() if n}
         return {t: TenantKv(self.held(t), self.shares.floor(t), self.shares.cap(t)) for t in sorted(tenants)}

@@ -1,8 +1,9 @@
 """Iteration-level scheduler: decides, every step, which sequences run and how many tokens each.
 
 Order of service: priority classes strictly (interactive, standard, batch); inside a class the tenant
-with the least weighted service first (fair_share.py), FCFS inside a tenant. Within a class, running
-sequences are served before new admissions. Prompts are split into chunks that fit the step's token
+with the least weighted service first (fair_share.py), FCFS inside a tenant. Within a class, every
+decode runs first; prompt work (a running sequence's next chunk or a waiting one's admission) then
+goes to the least-served tenant first. Prompts are split into chunks that fit the step's token
 budget, so a long prompt never stalls the decodes of others.
 
 When a running sequence needs a block and none is free, the most preemptable sequence (lowest class,
@@ -250,7 +251,7 @@ class Scheduler:
         queues = self.waiting[priority].values()
         waiting = sum(s.num_tokens - s.num_computed_tokens for q in queues for s in q)
         return waiting + sum(
-            s.num_tokens - s.num_computed_tokens - 1
+            s.num_tokens - s.num_computed_tokens
             for s in self.running
             if s.priority == priority and s.is_prefilling
         )
@@ -374,7 +375,7 @@ class Scheduler:
                 if victim is None:  # it keeps its blocks and waits for some to be freed
                     step.stalled.append(seq)
                     return
-            elif victim is None or self._preempt_key(victim) < self._preempt_key(seq):
+            elif victim is None or self._more_preemptable(seq, victim):
                 self._preempt(seq, step)
                 return
             self._preempt(victim, step)
@@ -393,13 +394,11 @@ class Scheduler:
         eligible = [
             s
             for s in candidates
-            if (
-                s.tenant == seq.tenant
-                or (not own_only and self.bm.held(s.tenant) > self.bm.shares.floor(s.tenant))
-            )
+            if (s.tenant == seq.tenant or (not own_only and self.bm.over_floor(s.tenant)))
             and not (self._aged(s) and s.priority <= seq.priority)
         ]
-        return max(eligible, key=self._preempt_key, default=None)
+        running = self._running_tenants()
+        return max(eligible, key=lambda s: self._preempt_key(s, running), default=None)
 
     def _aged(self, seq: Sequence) -> bool:
         limit = self.config.preemption_limit
@@ -455,19 +454,23 @@ class Scheduler:
             self._rejected.append((seq, reason))
         return verdict is Gate.READY
 
-    def _preempt_key(self, seq: Sequence) -> tuple[int, bool, float, float, int]:
+    def _preempt_key(self, seq: Sequence, running: set[str]) -> tuple[int, bool, float, float, int]:
+        """Larger is preempted first; ``running``: the tenants now running (``_running_tenants``),
+        among whom a tenant's KV share is due."""
         return (
             seq.priority.order,
-            self.bm.held(seq.tenant) > self.bm.shares.floor(seq.tenant),  # within its floor: last
-            self._kv_over_share(seq.tenant),
+            self.bm.over_floor(seq.tenant),  # within its floor: last
+            self.bm.held(seq.tenant) - self.bm.shares.fair(seq.tenant, running),
             self.fair.over_share(seq.priority, seq.tenant),
             seq.arrival,
         )
 
-    def _kv_over_share(self, tenant: str) -> float:
-        """How many blocks ``tenant`` holds beyond its due among the tenants now running."""
-        running = {s.tenant for s in self.running}
-        return self.bm.held(tenant) - self.bm.shares.fair(tenant, running)
+    def _running_tenants(self) -> set[str]:
+        return {s.tenant for s in self.running}
+
+    def _more_preemptable(self, seq: Sequence, other: Sequence) -> bool:
+        running = self._running_tenants()
+        return self._preempt_key(seq, running) > self._preempt_key(other, running)
 
     def _unschedule(self, seq: Sequence, step: _Step) -> None:
         """Take ``seq`` out of this step: its tokens go back to the budget, its charge is refunded."""

@@ -69,7 +69,7 @@ def test_a_predicted_miss_is_refused_with_the_prediction_and_the_target() -> Non
     tenant = _tenant(interactive=SloTarget(ttft_ms=500))
     before = _count("refused")
     with pytest.raises(GatewayError) as info:
-        SloAdmission().admit(tenant, Priority.INTERACTIVE, 1000, pool.name, pool.replica_stats(), now=0.0)
+        SloAdmission().admit(tenant, Priority.INTERACTIVE, 1000, pool.name, pool.replica_stats, now=0.0)
     err = info.value
     assert err.kind is ErrorKind.RESOURCE_EXHAUSTED
     assert (
@@ -89,16 +89,21 @@ def test_light_load_no_target_and_queue_mode_are_admitted() -> None:
         Priority.INTERACTIVE,
         100,
         light.name,
-        light.replica_stats(),
+        light.replica_stats,
         now=0.0,
     )
-    SloAdmission().admit(_tenant(), Priority.INTERACTIVE, 100, loaded.name, loaded.replica_stats(), now=0.0)
+    SloAdmission().admit(_tenant(), Priority.INTERACTIVE, 100, loaded.name, loaded.replica_stats, now=0.0)
+
+    def unread() -> dict[str, EngineStats]:
+        raise AssertionError("a request with no target must not read the pool's stats")
+
+    SloAdmission().admit(_tenant(), Priority.INTERACTIVE, 100, loaded.name, unread)
     SloAdmission().admit(
         _tenant(interactive=SloTarget(tpot_ms=10)),
         Priority.INTERACTIVE,
         100,
         loaded.name,
-        loaded.replica_stats(),
+        loaded.replica_stats,
         now=0.0,
     )
     queued = _count("queued")
@@ -107,7 +112,7 @@ def test_light_load_no_target_and_queue_mode_are_admitted() -> None:
         Priority.INTERACTIVE,
         100,
         loaded.name,
-        loaded.replica_stats(),
+        loaded.replica_stats,
         now=0.0,
     )
     assert _count("queued") == queued + 1
@@ -116,7 +121,7 @@ def test_light_load_no_target_and_queue_mode_are_admitted() -> None:
 def test_a_fresh_replica_that_cannot_tell_yet_admits() -> None:
     pool = FakePool(a=EngineStats(pending_prompt_tokens={Priority.INTERACTIVE: 10**6}))
     SloAdmission().admit(
-        _tenant(interactive=SloTarget(ttft_ms=1)), Priority.INTERACTIVE, 100, pool.name, pool.replica_stats()
+        _tenant(interactive=SloTarget(ttft_ms=1)), Priority.INTERACTIVE, 100, pool.name, pool.replica_stats
     )
 
 
@@ -127,12 +132,12 @@ def test_a_burst_between_two_readings_counts_what_it_admitted() -> None:
     admitted = 0
     with pytest.raises(GatewayError):
         for _ in range(100):  # stats never move: the gateway's own admissions must fill the queue
-            slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats(), now=0.0)
+            slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats, now=0.0)
             admitted += 1
     # 0.9 s of room at 1,000 tokens/s on each of two replicas: about 9 requests of 200 tokens
     assert 5 <= admitted <= 10
     pool.replicas = {n: _stats({}, steps=101) for n in ("a", "b")}  # a new reading: the burst is in it
-    slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats(), now=0.0)
+    slo.admit(tenant, Priority.INTERACTIVE, 200, pool.name, pool.replica_stats, now=0.0)
 
 
 def test_what_a_replica_worked_off_since_its_reading_is_not_counted_again() -> None:
