@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 import numpy as np
 
-from common import Priority
 from loadtest.costmodel import Deployment, StepItem, step_cost
 from loadtest.generator import PlannedRequest
 from loadtest.static_batching import Batching
@@ -39,6 +38,7 @@ from loadtest.stats import INCOMPLETE, OK, RequestRecord, SloSpec, grouped
 from protocol.requests import KvShare, SamplingParams
 from protocol.stats import EngineStats
 from worker.block_manager import BlockManager
+from worker.engine_counters import EngineCounters
 from worker.scheduler import ScheduledBatch, Scheduler, SchedulerConfig
 from worker.sequence import Sequence
 
@@ -136,14 +136,10 @@ class _Replica:
     index: int
     scheduler: Scheduler
     bm: BlockManager
+    counters: EngineCounters  # the engine's own, on the virtual clock
     outstanding: int = 0
     in_flight: tuple[ScheduledBatch, list[Sequence]] | None = None
     high_water: dict[Sequence, int] = field(default_factory=dict)  # tokens ever computed, per sequence
-    computed_tokens: int = 0
-    step_seconds: float = 0.0
-    num_steps: int = 0
-    full_step_prompt_tokens: int = 0  # as the engine counts them (worker/engine_counters.py)
-    full_step_seconds: float = 0.0
     published: EngineStats | None = None  # the stats as last published (every PUBLISH_PERIOD_S)
     published_at: float = -math.inf
 
@@ -151,16 +147,7 @@ class _Replica:
         """What the replica's routing stats say at ``now``: refreshed once a period, as Serve's are."""
         if self.published is None or now - self.published_at >= PUBLISH_PERIOD_S:
             self.published_at = now
-            self.published = EngineStats(
-                running={p: self.scheduler.num_running(p) for p in Priority},
-                waiting={p: self.scheduler.num_waiting(p) for p in Priority},
-                pending_prompt_tokens={p: self.scheduler.pending_prompt_tokens(p) for p in Priority},
-                computed_tokens=self.computed_tokens,
-                step_seconds=self.step_seconds,
-                num_steps=self.num_steps,
-                full_step_prompt_tokens=self.full_step_prompt_tokens,
-                full_step_seconds=self.full_step_seconds,
-            )
+            self.published = self.counters.snapshot(self.scheduler, self.bm, now=now)
         return self.published
 
 
@@ -277,7 +264,7 @@ class Simulator:
         bm = BlockManager(self.num_blocks, self.block_size, enable_prefix_caching=e.enable_prefix_caching)
         max_len = min(e.max_model_len, self.num_blocks * self.block_size)
         sched = e.mode.scheduler(SchedulerConfig(e.max_num_seqs, e.max_num_batched_tokens, max_len), bm)
-        return _Replica(i, sched, bm)
+        return _Replica(i, sched, bm, EngineCounters(e.max_num_batched_tokens, started=0.0))
 
     def run(
         self,
@@ -383,12 +370,7 @@ class Simulator:
             else:
                 padding += 1
         cost = step_cost(self.dep, items)
-        rep.computed_tokens += batch.total_tokens
-        rep.step_seconds += cost.seconds
-        rep.num_steps += 1
-        if 2 * batch.total_tokens >= self.engine.max_num_batched_tokens:
-            rep.full_step_prompt_tokens += sum(n for n in batch.num_tokens if n > 1)
-            rep.full_step_seconds += cost.seconds
+        rep.counters.record_step(now, now + cost.seconds, batch, int(cost.bytes))
         e = self.engine
         res_max = res_cap = res_oracle = kv_live = 0
         scheduled = dict(zip(batch.seqs, batch.num_tokens, strict=True))

@@ -6,12 +6,15 @@ import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from common import Priority
 from protocol.stats import EngineStats
 from worker.block_manager import BlockManager
-from worker.lora_slots import LoraSlots
 from worker.scheduler import ScheduledBatch, Scheduler
+
+if TYPE_CHECKING:  # a type only: the scheduler simulator counts steps without torch
+    from worker.lora_slots import LoraSlots
 
 BUSY_WINDOW_S = 10.0
 
@@ -55,8 +58,11 @@ class EngineCounters:
         while self.busy and self.busy[0][1] < t1 - BUSY_WINDOW_S:
             self.busy.popleft()
 
-    def snapshot(self, scheduler: Scheduler, bm: BlockManager, lora: LoraSlots | None = None) -> EngineStats:
-        now = time.monotonic()
+    def snapshot(
+        self, scheduler: Scheduler, bm: BlockManager, lora: LoraSlots | None = None, now: float | None = None
+    ) -> EngineStats:
+        """``now``: on the clock the steps were recorded on (default: the monotonic one)."""
+        now = time.monotonic() if now is None else now
         window_start = max(self.started, now - BUSY_WINDOW_S)
         busy = sum(min(b, now) - max(a, window_start) for a, b in self.busy if b > window_start)
         return EngineStats(
