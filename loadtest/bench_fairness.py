@@ -3,7 +3,10 @@ the VTC paper (OSDI'24) states it, on the real scheduler with a stand-in model (
 not seconds).
 
 Two tenants (one of long prompts and short outputs, one of short prompts and long outputs) at weights
-1:1 and 1:3, and four tenants of mixed lengths at 1:1:3:3, every one kept backlogged for 2,000 steps.
+1:1 and 1:3, and four tenants of mixed lengths at 1:1:3:3, every one kept backlogged for 2,000 steps,
+at two batch shapes: the engine's defaults (64 sequences, 512 tokens a step) and a slot-bound one (16
+sequences, 256 tokens), where the batch is full of decodes while most of the step's budget idles, so a
+tenant that falls behind waits for a slot to free before the scheduler can favour it.
 Service counts prefill tokens at 1 and decode tokens at 2, from each step's batch. Each run is shown
 with Loom's accounting (VTC's costs) and, beside it, with every token charged alike: the baseline
 the accounting is there to beat. Writes ``fairness.json`` and ``fairness.md`` under ``--out``.
@@ -19,6 +22,7 @@ from typing import Any
 
 from loadtest.fairness import Shapes, backlogged_run
 from loadtest.markdown import render, write_report
+from protocol.engine_config import EngineConfig
 from worker.api import ServiceCosts
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -32,22 +36,32 @@ CASES: dict[str, tuple[dict[str, float], dict[str, Shapes]]] = {
 }
 
 
-def run_benchmark(
-    max_num_seqs: int = 16, step_budget: int = 256, window: int = 200, out_dir: Path | None = RESULTS_DIR
-) -> dict[str, Any]:
-    runs: dict[str, Any] = {}
-    for name, (weights, shapes) in CASES.items():
-        accountings = (("VTC costs (1, 2)", None), ("tokens alike (1, 1)", ServiceCosts(1.0, 1.0)))
-        for accounting, costs in accountings:
-            f = backlogged_run(
-                weights, shapes, costs, max_num_seqs=max_num_seqs, step_budget=step_budget, window=window
-            )
-            runs[f"{name}, {accounting}"] = {k: round(v, 4) for k, v in dataclasses.asdict(f).items()}
+# (sequences a step, tokens a step): the engine's defaults, then a batch bound by its slots.
+BATCHES: dict[str, tuple[int, int]] = {
+    "engine defaults": (
+        EngineConfig.model_fields["max_num_seqs"].default,
+        EngineConfig.model_fields["max_num_batched_tokens"].default,
+    ),
+    "slot-bound": (16, 256),
+}
+
+
+def run_benchmark(window: int = 200, out_dir: Path | None = RESULTS_DIR) -> dict[str, Any]:
+    batches: dict[str, Any] = {}
+    for batch, (max_num_seqs, step_budget) in BATCHES.items():
+        runs: dict[str, Any] = {}
+        for name, (weights, shapes) in CASES.items():
+            accountings = (("VTC costs (1, 2)", None), ("tokens alike (1, 1)", ServiceCosts(1.0, 1.0)))
+            for accounting, costs in accountings:
+                f = backlogged_run(
+                    weights, shapes, costs, max_num_seqs=max_num_seqs, step_budget=step_budget, window=window
+                )
+                runs[f"{name}, {accounting}"] = {k: round(v, 4) for k, v in dataclasses.asdict(f).items()}
+        batches[batch] = {"max_num_seqs": max_num_seqs, "step_budget": step_budget, "runs": runs}
     report = {
         "date": time.strftime("%Y-%m-%d"),
+        "batches": batches,
         "workload": {
-            "max_num_seqs": max_num_seqs,
-            "step_budget": step_budget,
             "window_steps": window,
             "steps": 2000,
             "shapes": {
@@ -59,7 +73,6 @@ def run_benchmark(
                 )
             },
         },
-        "runs": runs,
     }
     if out_dir is not None:
         write_report(out_dir, "fairness", report, to_markdown(report))
