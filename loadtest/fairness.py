@@ -107,9 +107,10 @@ def backlogged_run(
     window: int = 200,
     seed: int = 0,
 ) -> Fairness:
-    """Every tenant of ``weights`` kept backlogged (900 requests each per 16 sequences a step, lengths
-    drawn from its ``shapes``) on the real scheduler with a stand-in model for ``steps`` steps; fairness measured
-    from the 20th step on, against VTC's bound with M the most tokens a running batch can hold."""
+    """Every tenant of ``weights`` kept backlogged (900 requests each per 16 sequences a step,
+    lengths drawn from its ``shapes``) on the real scheduler with a stand-in model for ``steps``
+    steps; fairness measured from the 20th step on, against VTC's bound with M the most tokens a
+    running batch can hold."""
     rng = random.Random(seed)
     config: dict[str, Any] = {"costs": costs} if costs is not None else {}
     sim = SchedulerSim(
