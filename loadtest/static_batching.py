@@ -91,11 +91,16 @@ class StaticBatchingScheduler(StaticNoPaddingScheduler):
         self._unschedule(seq, step)  # padding has nothing to resume: it is released
         self._release_padding([seq])
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[SequenceUpdate]:
+    def update_from_output(
+        self,
+        batch: ScheduledBatch,
+        sampled: dict[Sequence, int],
+        accepted: dict[Sequence, list[int]] | None = None,
+    ) -> list[SequenceUpdate]:
         held = set(self.held)
         rows = [(s, n) for s, n in zip(batch.seqs, batch.num_tokens, strict=True) if s in held]
         self.padding_tokens += sum(n for _, n in rows)
-        updates = [u for u in super().update_from_output(batch, sampled) if u.seq not in held]
+        updates = [u for u in super().update_from_output(batch, sampled, accepted) if u.seq not in held]
         self._release_padding([s for s in self.held if s.num_tokens >= self.config.max_model_len])
         return updates
 

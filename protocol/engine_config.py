@@ -7,7 +7,7 @@ environment; nothing mirrors its fields. It is plain data (no torch): what the d
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -49,5 +49,23 @@ class EngineConfig(BaseSettings):
     enable_prefix_caching: bool = True
     max_model_len: int | None = Field(None, ge=2)
     num_threads: int | None = Field(None, ge=1, description="torch intra-op threads on cpu")
+    speculative_tokens: int = Field(
+        4,
+        ge=0,
+        le=16,
+        description="the most tokens a request that opts into speculation proposes a step; 0 disables it",
+    )
+    speculative_ngram_max: int = Field(
+        4, ge=1, le=16, description="prompt lookup: the longest suffix matched against earlier tokens"
+    )
+    speculative_ngram_min: int = Field(
+        2, ge=1, le=16, description="prompt lookup: the shortest suffix matched against earlier tokens"
+    )
     max_loras: int = Field(4, ge=0, description="LoRA adapters resident at once (slots); 0 disables LoRA")
     max_lora_rank: int = Field(64, ge=1, le=64)
+
+    @model_validator(mode="after")
+    def _ngram_range(self) -> EngineConfig:
+        if self.speculative_ngram_min > self.speculative_ngram_max:
+            raise ValueError("speculative_ngram_min must not exceed speculative_ngram_max")
+        return self

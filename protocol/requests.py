@@ -107,6 +107,10 @@ class GenerationRequest:
     # the router ranks that replica last.
     retry_of: str | None = None
     adapter: LoraRequest | None = None  # a LoRA adapter over the base model (None: the base model)
+    # Opted into speculative decoding (by its tenant or itself): the engine may verify proposed tokens
+    # for it several at a time. Its output is the same either way (greedy) or drawn from the same
+    # distribution (sampled).
+    speculative: bool = False
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

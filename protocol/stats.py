@@ -23,6 +23,16 @@ class TenantKv:
     cap: int
 
 
+@dataclass
+class SpecCounts:
+    """Speculative decoding for one tenant, since the engine started (vLLM's spec-decode counters):
+    verifications that had proposals (drafts), tokens proposed, and of those accepted."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class EngineStats:
     running: dict[Priority, int] = field(default_factory=dict)
@@ -59,6 +69,7 @@ class EngineStats:
     loaded_adapters: tuple[str, ...] = ()  # resident in a slot (the router prefers these replicas)
     running_adapters: tuple[str, ...] = ()  # pinned by running requests
     waiting_adapters: tuple[str, ...] = ()  # wanted by waiting requests
+    speculation: dict[str, SpecCounts] = field(default_factory=dict)  # per tenant
 
     @property
     def kv_cache_usage(self) -> float:
@@ -93,6 +104,7 @@ class EngineStats:
             Priority(p): n for p, n in (d.get("pending_prompt_tokens") or {}).items()
         }
         values["kv_by_tenant"] = {t: TenantKv(**kv) for t, kv in (d.get("kv_by_tenant") or {}).items()}
+        values["speculation"] = {t: SpecCounts(**c) for t, c in (d.get("speculation") or {}).items()}
         for name in ("loaded_adapters", "running_adapters", "waiting_adapters"):
             values[name] = tuple(d.get(name) or ())
         return cls(**values)

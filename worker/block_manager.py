@@ -214,6 +214,20 @@ class BlockManager:
         for _ in range(need):
             seq.block_table.append(self._take_free(seq.tenant))
 
+    def trim(self, seq: Sequence) -> None:
+        """Return the blocks past what ``seq``'s tokens need: those taken for proposed tokens that
+        were rejected (never registered: their positions were not computed)."""
+        keep = -(-seq.num_tokens // self.block_size)
+        while len(seq.block_table) > keep:
+            b = seq.block_table.pop()
+            self._ref[b] -= 1
+            assert self._ref[b] == 0 and self._hash[b] is None, "a trimmed block is shared or cached"
+            owner = self._owner[b]
+            assert owner is not None
+            self._free_clean.append(b)
+            self._owner[b] = None
+            self._held[owner] -= 1
+
     def free(self, seq: Sequence) -> None:
         """Return every block of ``seq``; tail blocks become the first to be evicted."""
         for b in reversed(seq.block_table):

@@ -7,6 +7,7 @@ pieces and is driven by one thread (``AsyncEngine`` runs it in the background fo
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import threading
@@ -37,8 +38,10 @@ from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner, StepOutput
 from worker.output_processor import OutputProcessor
+from worker.proposer import NgramProposer
 from worker.scheduler import GateChain, ScheduledBatch, SchedulerConfig, scheduler_class
 from worker.sequence import Sequence
+from worker.speculation import Speculation
 from worker.step_trace import StepObserver, StepRow, StepTrace
 
 log = logging.getLogger(__name__)
@@ -85,6 +88,11 @@ class LLMEngine:
             gate=GateChain(self.grammars, self.lora) if self.lora is not None else self.grammars,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.lora, self.grammars)
+        self.speculation = Speculation(
+            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
+            config.speculative_tokens,
+            self.max_model_len,
+        )
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters(step_budget=config.max_num_batched_tokens)
@@ -152,7 +160,7 @@ class LLMEngine:
         """One iteration: schedule, execute, update, emit. Every request that ends in it is counted
         once as finished, whichever way it ended."""
         started = time.perf_counter()
-        batch = self.scheduler.schedule()
+        batch = self.scheduler.schedule(self.speculation.propose(self.scheduler.running))
         scheduled = time.perf_counter()
         rows = _rows(batch) if self._observers and batch else ()
         rejected = [
@@ -175,7 +183,9 @@ class LLMEngine:
             self._count_failed_step({seq.tenant for seq, _ in culprits})
             return rejected + ended
         self._failed_run, self._failed_run_tenants = 0, set()
-        self.counters.record_step(t0, time.monotonic(), batch, self._step_bytes(batch))
+        t1 = time.monotonic()
+        self.counters.record_step(t0, t1, batch, self._step_bytes(batch))
+        self.speculation.cost.record(batch.total_tokens, t1 - t0)
         forward_s = grammar_s = 0.0
         for part, result in parts:
             forward_s += result.forward_s
@@ -190,9 +200,12 @@ class LLMEngine:
                 for seq, reason in result.failed
                 if seq.is_live
             ]
-            updates = self.scheduler.update_from_output(part, result.sampled)
+            for seq in result.sampled:
+                if (spec := part.spec.get(seq)) is not None:
+                    self.speculation.record(seq, len(spec), len(result.accepted.get(seq, ())))
+            updates = self.scheduler.update_from_output(part, result.sampled, result.accepted)
             emitted = self.outputs.process(updates, result.logprobs, self.scheduler)
-            self.counters.generated_tokens += len(updates)
+            self.counters.generated_tokens += sum(len(u.tokens) for u in updates)
             self.counters.finished += sum(1 for o in emitted if o.finished)
             ended += emitted
         if self._observers:
@@ -229,8 +242,8 @@ class LLMEngine:
         parts: list[tuple[ScheduledBatch, StepOutput]] = []
         culprits: list[tuple[Sequence, str]] = []
         for half in (
-            ScheduledBatch(batch.seqs[:mid], batch.num_tokens[:mid]),
-            ScheduledBatch(batch.seqs[mid:], batch.num_tokens[mid:]),
+            ScheduledBatch(batch.seqs[:mid], batch.num_tokens[:mid], spec=batch.spec),
+            ScheduledBatch(batch.seqs[mid:], batch.num_tokens[mid:], spec=batch.spec),
         ):
             try:
                 parts.append((half, self.runner.execute(half)))
@@ -267,7 +280,9 @@ class LLMEngine:
         return self._weight_bytes + (kv_read + batch.total_tokens) * self._kv_bytes_per_token
 
     def stats(self) -> EngineStats:
-        return self.counters.snapshot(self.scheduler, self.block_manager, self.lora)
+        stats = self.counters.snapshot(self.scheduler, self.block_manager, self.lora)
+        counts = {t: dataclasses.replace(c) for t, c in self.speculation.counts.items()}
+        return dataclasses.replace(stats, speculation=counts)
 
     def model_info(self, pool: str = "") -> ModelInfo:
         return ModelInfo(
@@ -300,7 +315,9 @@ class LLMEngine:
 
 def _rows(batch: ScheduledBatch) -> tuple[StepRow, ...]:
     return tuple(
-        StepRow(n, s.num_computed_tokens, s.num_computed_tokens + n == s.num_tokens)
+        StepRow(
+            n, s.num_computed_tokens, s.num_computed_tokens + n == s.num_tokens + len(batch.spec.get(s, ()))
+        )
         for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
     )
 

@@ -9,18 +9,21 @@ from dataclasses import dataclass, field
 import torch
 
 from kernels import PagedAttentionMetadata
+from kernels.argmax import argmax_rows
 from protocol.requests import TokenLogprob
 from worker.grammars import Grammars
 from worker.kv_cache import KVCache
 from worker.lora_slots import LoraSlots
 from worker.model import ForwardBatch, LlamaModel, LoraStep
+from worker.rejection_sampler import verify
 from worker.sampler import RequestRng, RowFailed, sample, token_logprobs
 from worker.scheduler import ScheduledBatch
 from worker.sequence import Sequence
 
 
 def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.device) -> ForwardBatch:
-    """Inputs for ``batch``: each sequence's next ``n`` tokens, their positions and cache slots."""
+    """Inputs for ``batch``: each sequence's next ``n`` tokens, their positions and cache slots. A row
+    verifying proposals takes them as its last tokens and wants logits at each of its positions."""
     input_ids: list[int] = []
     positions: list[int] = []
     slots: list[int] = []
@@ -31,12 +34,18 @@ def build_forward_batch(batch: ScheduledBatch, block_size: int, device: torch.de
     for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
         start = seq.num_computed_tokens
         end = start + n
-        input_ids.extend(seq.token_ids[start:end])
+        spec = batch.spec.get(seq)
+        if spec:
+            input_ids.extend(seq.token_ids[start:])
+            input_ids.extend(spec)
+            logits_rows.extend(range(len(input_ids) - len(spec) - 1, len(input_ids)))
+        else:
+            input_ids.extend(seq.token_ids[start:end])
+            if end == seq.num_tokens:  # the chunk reaches the last token: its logits give the next one
+                logits_rows.append(len(input_ids) - 1)
         positions.extend(range(start, end))
         table = seq.block_table
         slots.extend(table[p // block_size] * block_size + p % block_size for p in range(start, end))
-        if end == seq.num_tokens:  # the chunk reaches the last token: its logits give the next one
-            logits_rows.append(len(input_ids) - 1)
         query_lens.append(n)
         seq_lens.append(end)
         tables.append(table)
@@ -59,8 +68,10 @@ class StepOutput:
     sampling error) with the reason."""
 
     sampled: dict[Sequence, int] = field(default_factory=dict)
+    accepted: dict[Sequence, list[int]] = field(default_factory=dict)  # held proposals, before sampled
     failed: list[tuple[Sequence, str]] = field(default_factory=list)  # rows without a token, and why
-    logprobs: dict[Sequence, TokenLogprob] = field(default_factory=dict)  # for requests that asked
+    # For requests that asked: one per token gained (accepted proposals, then the sampled one).
+    logprobs: dict[Sequence, list[TokenLogprob]] = field(default_factory=dict)
     forward_s: float = 0.0  # the model's forward pass alone
     grammar_s: float = 0.0  # filling the constrained rows' token masks
 
@@ -91,11 +102,53 @@ class ModelRunner:
         sampled_seqs = [
             s
             for s, n in zip(batch.seqs, batch.num_tokens, strict=True)
-            if s.num_computed_tokens + n == s.num_tokens
+            if s.num_computed_tokens + n == s.num_tokens + len(batch.spec.get(s, ()))
         ]
         out = StepOutput(forward_s=forward_s)
         if not sampled_seqs:
             return out
+        if not batch.spec:
+            self._sample(logits, sampled_seqs, out)
+            return out
+        # Rows verifying proposals own several logits rows each; the rest one.
+        first: list[int] = []
+        at = 0
+        for seq in sampled_seqs:
+            first.append(at)
+            at += len(batch.spec.get(seq, ())) + 1
+        plain = [j for j, seq in enumerate(sampled_seqs) if seq not in batch.spec]
+        if plain:
+            rows = torch.tensor([first[j] for j in plain], dtype=torch.long, device=logits.device)
+            self._sample(logits.index_select(0, rows), [sampled_seqs[j] for j in plain], out)
+        picks, finite = argmax_rows(logits)
+        pick_of, finite_of = picks.tolist(), finite.tolist()
+        for j, seq in enumerate(sampled_seqs):
+            spec = batch.spec.get(seq)
+            if spec is None:
+                continue
+            lo, hi = first[j], first[j] + len(spec) + 1
+            try:
+                gained = verify(
+                    logits[lo:hi],
+                    pick_of[lo:hi],
+                    all(finite_of[lo:hi]),
+                    spec,
+                    seq.sampling,
+                    None if seq.sampling.greedy else self._rng(seq),
+                )
+            except Exception as exc:  # this row's values, never the batch's problem
+                gained = RowFailed(f"sampling failed for this request ({type(exc).__name__})")
+            if isinstance(gained, RowFailed):
+                out.failed.append((seq, gained.reason))
+                continue
+            out.accepted[seq], out.sampled[seq] = gained[:-1], gained[-1]
+            if seq.sampling.logprobs is not None:
+                top = [seq.sampling.logprobs] * len(gained)
+                out.logprobs[seq] = token_logprobs(logits, list(range(lo, lo + len(gained))), gained, top)
+        return out
+
+    def _sample(self, logits: torch.Tensor, sampled_seqs: list[Sequence], out: StepOutput) -> None:
+        """One token for each of ``sampled_seqs`` from its row of ``logits``."""
         params = [s.sampling for s in sampled_seqs]
         rngs = [None if p.greedy else self._rng(s) for s, p in zip(sampled_seqs, params, strict=True)]
         masked = time.perf_counter()
@@ -122,8 +175,8 @@ class ModelRunner:
             source, at = (
                 (logits, rows) if lp_logits is None else (lp_logits, [wants_lp.index(r) for r in rows])
             )
-            out.logprobs = dict(zip(seqs, token_logprobs(source, at, picked, tops), strict=True))
-        return out
+            for seq, lp in zip(seqs, token_logprobs(source, at, picked, tops), strict=True):
+                out.logprobs[seq] = [lp]
 
     def _rng(self, seq: Sequence) -> RequestRng:
         rng = self._rngs.get(seq)

@@ -42,22 +42,28 @@ class OutputProcessor:
     def process(
         self,
         updates: list[SequenceUpdate],
-        logprobs: dict[Sequence, TokenLogprob],
+        logprobs: dict[Sequence, list[TokenLogprob]],
         scheduler: Scheduler,
     ) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         for u in updates:
             seq, stream = u.seq, self._streams[u.seq.request_id]
-            if stream.logprobs is not None:
-                stream.logprobs.append(logprobs[seq])
             reason = u.finish_reason
             text = ""
-            if u.token not in seq.stop_token_ids:  # an end-of-sequence token has no text
-                text = stream.detok.add(u.token)
+            for i, token in enumerate(u.tokens):
+                if stream.logprobs is not None:
+                    stream.logprobs.append(logprobs[seq][i])
+                if token in seq.stop_token_ids:  # an end-of-sequence token has no text
+                    continue
+                text += stream.detok.add(token)
                 if stream.detok.stopped:
                     if reason is None:
                         scheduler.finish(seq, FinishReason.STOP)
-                    reason = FinishReason.STOP  # the stop string ended it, even on its last token
+                    # Tokens gained after the stop string completed (proposals that held) are not
+                    # output; the stop string ended it, even on its last token.
+                    scheduler.drop_last_tokens(seq, len(u.tokens) - 1 - i)
+                    reason = FinishReason.STOP
+                    break
             new_ids = seq.output_token_ids[stream.emitted_tokens :]
             if reason is not None:
                 outputs.append(self.final(seq, reason, text + stream.detok.flush(), new_ids))

@@ -47,6 +47,11 @@ class RequestRng:
 
 
 def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+    return int(torch.multinomial(probabilities(logits, params), 1, generator=rng.generator).item())
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """The distribution a sampled row draws from (CPU, fp32): temperature, then top-k, then top-p."""
     logits = logits.float().cpu() / params.temperature
     if params.top_k and params.top_k < logits.shape[-1]:
         kth = torch.topk(logits, params.top_k).values[-1]
@@ -59,7 +64,7 @@ def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -
         drop[0] = False  # the most probable token stays, however small top_p is
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-    return int(torch.multinomial(probs, 1, generator=rng.generator).item())
+    return probs
 
 
 def sample(

@@ -130,6 +130,8 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_tokens: list[int]
     preempted: list[Sequence] = field(default_factory=list)
+    # Proposed tokens a decoding row verifies in this step (its last ``len`` scheduled tokens).
+    spec: dict[Sequence, list[int]] = field(default_factory=dict)
 
     @property
     def total_tokens(self) -> int:
@@ -141,10 +143,11 @@ class ScheduledBatch:
 
 @dataclass(frozen=True)
 class SequenceUpdate:
-    """What one step did for a live sequence: the token it sampled and, if it ended, why."""
+    """What one step did for a live sequence: the tokens it gained (one, or more where proposed
+    tokens held) and, if it ended, why."""
 
     seq: Sequence
-    token: int
+    tokens: tuple[int, ...]
     finish_reason: FinishReason | None
 
 
@@ -155,6 +158,7 @@ class _Step:
     preempted: list[Sequence] = field(default_factory=list)
     charged: dict[Sequence, tuple[int, int]] = field(default_factory=dict)  # (prefill, decode) tokens
     stalled: list[Sequence] = field(default_factory=list)  # aged sequences waiting in place for blocks
+    spec: dict[Sequence, list[int]] = field(default_factory=dict)  # proposals scheduled for verification
 
 
 class Scheduler:
@@ -266,7 +270,11 @@ class Scheduler:
         (a subclass that admits otherwise, as static batching's cohorts, says no here)."""
         return True
 
-    def schedule(self) -> ScheduledBatch:
+    def schedule(self, proposals: dict[Sequence, list[int]] | None = None) -> ScheduledBatch:
+        """The next step's batch. ``proposals``: tokens decoding rows would verify (speculation.py);
+        each costs the budget a token, and a row drops its proposals before anyone is preempted for
+        their blocks."""
+        proposals = proposals or {}
         step = _Step(budget=self.config.max_num_batched_tokens)
         admission_open = self.admits_waiting()
         for prio in Priority:
@@ -283,7 +291,7 @@ class Scheduler:
                     and seq not in step.scheduled
                     and not seq.is_prefilling
                 ):
-                    self._schedule_running(seq, step)
+                    self._schedule_running(seq, step, proposals.get(seq))
             # Then prompt work, the least-served tenant's first, whether its sequence is running
             # or waiting: a tenant's long prompts in flight never hold back another's new request.
             prefilling = [s for s in running if s.is_prefilling]
@@ -311,7 +319,10 @@ class Scheduler:
             # the youngest, so that the oldest always progresses and every wait ends.
             self._preempt(max(step.stalled, key=lambda s: s.arrival), step)
         return ScheduledBatch(
-            seqs=list(step.scheduled), num_tokens=list(step.scheduled.values()), preempted=step.preempted
+            seqs=list(step.scheduled),
+            num_tokens=list(step.scheduled.values()),
+            preempted=step.preempted,
+            spec=step.spec,
         )
 
     def _fair_key(self, seq: Sequence) -> tuple[float, int]:
@@ -366,9 +377,14 @@ class Scheduler:
         step.charged[seq] = (prefill, decode)
         self.fair.charge(seq.priority, seq.tenant, seq.weight, prefill, decode)
 
-    def _schedule_running(self, seq: Sequence, step: _Step) -> None:
+    def _schedule_running(self, seq: Sequence, step: _Step, proposal: list[int] | None = None) -> None:
         prefix = self._prefix(seq)
         n = self._chunk(seq, prefix, step.budget)
+        spec = (proposal or [])[: step.budget - n]
+        if spec and self.bm.can_allocate(seq, n + len(spec), prefix):
+            self._take(seq, n + len(spec), prefix, step)
+            step.spec[seq] = spec
+            return
         while not self.bm.can_allocate(seq, n, prefix):
             victim = self._victim(seq, [s for s in self.running if s is not seq])
             if self._aged(seq):
@@ -475,6 +491,7 @@ class Scheduler:
     def _unschedule(self, seq: Sequence, step: _Step) -> None:
         """Take ``seq`` out of this step: its tokens go back to the budget, its charge is refunded."""
         n = step.scheduled.pop(seq, 0)
+        step.spec.pop(seq, None)
         if n:
             step.budget += n
             prefill, decode = step.charged.pop(seq)
@@ -494,13 +511,25 @@ class Scheduler:
 
     # ---- after the forward pass --------------------------------------------------------------
 
-    def update_from_output(self, batch: ScheduledBatch, sampled: dict[Sequence, int]) -> list[SequenceUpdate]:
-        """Apply a step's results; returns an update per live sequence that sampled a token."""
+    def update_from_output(
+        self,
+        batch: ScheduledBatch,
+        sampled: dict[Sequence, int],
+        accepted: dict[Sequence, list[int]] | None = None,
+    ) -> list[SequenceUpdate]:
+        """Apply a step's results; returns an update per live sequence that sampled a token.
+
+        ``accepted``: of a row's proposals, those that held (a prefix); they precede its sampled
+        token. Rejected proposals' cache positions are not computed, and their blocks go back.
+        """
+        accepted = accepted or {}
         updates: list[SequenceUpdate] = []
         for seq, n in zip(batch.seqs, batch.num_tokens, strict=True):
             if seq.status is SequenceStatus.FINISHED:  # ended earlier in the step (a subclass ends several)
                 continue
-            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + n
+            proposed, kept = len(batch.spec.get(seq, ())), accepted.get(seq, [])
+            done = n - proposed + len(kept)
+            start, seq.num_computed_tokens = seq.num_computed_tokens, seq.num_computed_tokens + done
             self.num_recomputed_tokens += max(
                 0, min(seq.num_computed_tokens, seq.computed_high_water) - start
             )
@@ -509,12 +538,25 @@ class Scheduler:
             token = sampled.get(seq)
             if token is None:  # a prefill chunk that has not reached the prompt's end
                 continue
-            seq.token_ids.append(token)
-            reason = self._stop_reason(seq, token)
+            gained: list[int] = []
+            reason = None
+            for t in (*kept, token):
+                seq.token_ids.append(t)
+                gained.append(t)
+                if (reason := self._stop_reason(seq, t)) is not None:
+                    break
             if reason is not None:
                 self.finish(seq, reason)
-            updates.append(SequenceUpdate(seq, token, reason))
+            elif proposed:
+                self.bm.trim(seq)
+            updates.append(SequenceUpdate(seq, tuple(gained), reason))
         return updates
+
+    def drop_last_tokens(self, seq: Sequence, count: int) -> None:
+        """Forget the last ``count`` tokens of an ended sequence: a stop string completed before them
+        (several tokens gained in one step), so they are not output."""
+        assert not seq.is_live and 0 <= count <= seq.num_output_tokens
+        del seq.token_ids[len(seq.token_ids) - count :]
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         if token in seq.stop_token_ids:

@@ -39,6 +39,7 @@ class Sequence:
     adapter: LoraRequest | None = None
     kv_share: KvShare = field(default_factory=KvShare)
     num_resumed_tokens: int = 0  # the prompt's last tokens that an earlier attempt generated
+    speculative: bool = False  # opted into speculative decoding (worker/speculation.py)
     arrival: int = field(default_factory=lambda: next(_arrivals))  # FCFS order, stable across preemption
     status: SequenceStatus = SequenceStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
@@ -76,6 +77,7 @@ class Sequence:
             adapter=req.adapter,
             kv_share=req.kv_share,
             num_resumed_tokens=req.num_resumed_tokens,
+            speculative=req.speculative,
         )
 
     @property

@@ -20,13 +20,17 @@ PROMPT = "Q: say it\nA: "
 
 
 class _Scheduler:
-    """The one scheduler call the output processor makes: ending a sequence on a stop string."""
+    """The scheduler calls the output processor makes: ending a sequence on a stop string, and
+    forgetting tokens gained after it (none here: one token a step)."""
 
     def __init__(self) -> None:
         self.finished: list[tuple[str, FinishReason]] = []
 
     def finish(self, seq: Sequence, reason: FinishReason) -> None:
         self.finished.append((seq.request_id, reason))
+
+    def drop_last_tokens(self, seq: Sequence, count: int) -> None:
+        assert count == 0
 
 
 def _run(tokens: list[int], stop: tuple[str, ...], delivered: list[int] | None = None) -> tuple[str, bool]:
@@ -44,7 +48,7 @@ def _run(tokens: list[int], stop: tuple[str, ...], delivered: list[int] | None =
     for i, t in enumerate(tokens):
         seq.token_ids.append(t)
         last = i == len(tokens) - 1
-        update = SequenceUpdate(seq, t, FinishReason.LENGTH if last else None)
+        update = SequenceUpdate(seq, (t,), FinishReason.LENGTH if last else None)
         for out in processor.process([update], {}, scheduler):  # type: ignore[arg-type]
             text += out.text
         if scheduler.finished:
@@ -62,7 +66,7 @@ def _delivered_before(tokens: list[int], stop: tuple[str, ...], cut: int) -> str
     text = ""
     for t in tokens[:cut]:
         seq.token_ids.append(t)
-        outs = processor.process([SequenceUpdate(seq, t, None)], {}, _Scheduler())  # type: ignore[arg-type]
+        outs = processor.process([SequenceUpdate(seq, (t,), None)], {}, _Scheduler())  # type: ignore[arg-type]
         text += "".join(o.text for o in outs)
         if any(o.finished for o in outs):
             break

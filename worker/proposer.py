@@ -1,0 +1,63 @@
+"""Proposers: cheap guesses of a sequence's next tokens, which one forward step then verifies.
+
+A proposal costs a verification slot in the step whether it is right or not, so a proposer says
+nothing rather than guess blindly. Prompt lookup (``NgramProposer``) needs no model: input-grounded
+work (summaries, extraction, edits, quoting) repeats spans of its context, and the tokens that
+followed the latest earlier occurrence of the sequence's last n tokens are a good guess of what comes
+next. A draft model (a smaller model of the same tokenizer) fits the same interface.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from worker.sequence import Sequence
+
+
+class Proposer(Protocol):
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` guesses of the tokens after ``seq.token_ids`` (none: no guess)."""
+        ...
+
+
+@dataclass
+class _Index:
+    """Where each n-gram of a sequence last ended (the position after it), built up as it grows."""
+
+    ends: dict[tuple[int, ...], int] = field(default_factory=dict)
+    upto: int = 0  # n-grams ending before this position are indexed
+
+
+class NgramProposer:
+    """Prompt lookup: the longest suffix of ``min_n``..``max_n`` tokens found earlier in the sequence
+    (its prompt or output) proposes the tokens that followed that occurrence, the latest one first.
+
+    Each sequence keeps an index of its n-grams, extended by the tokens added since the last call,
+    so a proposal costs a dictionary lookup per suffix length however long the context is.
+    """
+
+    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError("need 1 <= min_n <= max_n")
+        self.min_n, self.max_n = min_n, max_n
+        self._index: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
+
+    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+        tokens = seq.token_ids
+        if max_tokens <= 0 or len(tokens) <= self.min_n:
+            return []
+        index = self._index.get(seq)
+        if index is None:
+            index = self._index[seq] = _Index()
+        last = len(tokens) - 1  # the suffix itself ends at len(tokens): index only earlier endings
+        for end in range(max(index.upto, 1), last + 1):
+            for n in range(self.min_n, min(self.max_n, end) + 1):
+                index.ends[tuple(tokens[end - n : end])] = end
+        index.upto = max(index.upto, last + 1)
+        for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
+            at = index.ends.get(tuple(tokens[-n:]))
+            if at is not None:
+                return tokens[at : at + max_tokens]
+        return []
