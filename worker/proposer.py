@@ -59,5 +59,10 @@ class NgramProposer:
         for n in range(min(self.max_n, len(tokens) - 1), self.min_n - 1, -1):
             at = index.ends.get(tuple(tokens[-n:]))
             if at is not None:
-                return tokens[at : at + max_tokens]
+                # What followed the match runs up to the end: the sequence then repeats with period
+                # len(tokens) - at, and the guess goes on around that loop.
+                guess = tokens[at : at + max_tokens]
+                while len(guess) < max_tokens:
+                    guess += tokens[at : at + max_tokens - len(guess)]
+                return guess
         return []

@@ -67,9 +67,13 @@ def adapters(
     return out
 
 
-def _request(rid: str, ids: list[int], adapter: str | None, adapters: dict[str, Any]) -> GenerationRequest:
+def _request(
+    rid: str, ids: list[int], adapter: str | None, adapters: dict[str, Any], speculative: bool = False
+) -> GenerationRequest:
     lora = LoraRequest(f"t/{adapter}", str(adapters[adapter]["path"])) if adapter else None
-    return GenerationRequest(rid, ids, SamplingParams(max_tokens=MAX_TOKENS), adapter=lora)
+    return GenerationRequest(
+        rid, ids, SamplingParams(max_tokens=MAX_TOKENS), adapter=lora, speculative=speculative
+    )
 
 
 def test_adapters_change_the_output(adapters: dict[str, Any]) -> None:
@@ -89,6 +93,20 @@ def test_mixed_batch_equals_transformers_with_peft(
             assert out[f"{n}-{i}"].token_ids == adapters[n or "base"]["ref"][i], (n, i)
     assert engine.block_manager.num_used_blocks == 0
     assert set(engine.stats().loaded_adapters) == {f"t/{n}" for n in ADAPTERS}
+
+
+def test_speculation_verifies_with_the_adapter(
+    smollm: Checkpoint, prompt_ids: list[list[int]], adapters: dict[str, Any]
+) -> None:
+    """Proposals are verified by the adapted model, so the tokens are the adapter's own."""
+    engine = LLMEngine(EngineConfig(num_blocks=256, max_loras=3), smollm)
+    names = [None, *ADAPTERS]
+    requests = [_request(f"{n}-{i}", prompt_ids[i], n, adapters, True) for n in names for i in range(2)]
+    out = engine.run_to_completion(requests)
+    for n in names:
+        for i in range(2):
+            assert out[f"{n}-{i}"].token_ids == adapters[n or "base"]["ref"][i], (n, i)
+    assert sum(c.draft_tokens for c in engine.stats().speculation.values()) > 0
 
 
 @pytest.mark.parametrize("name", list(ADAPTERS))
