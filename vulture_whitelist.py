@@ -76,3 +76,4 @@ guided_regex  # gateway.http.schema._Sampling
 guided_choice  # gateway.http.schema._Sampling
 guided_grammar  # gateway.http.schema._Sampling
 tool_call_id  # gateway.http.schema.ChatMessageIn
+_ngram_range  # protocol.engine_config.EngineConfig (a pydantic validator)

@@ -92,6 +92,15 @@ class EngineCollector(Collector):
             "floor or cap.",
             labels=[*labels, "tenant", "kind"],
         )
+        # vLLM's spec-decode counters, per tenant: the acceptance rate is accepted over draft tokens.
+        spec = {
+            name: CounterMetricFamily(name, help_text, labels=[*labels, "tenant"])
+            for name, help_text in (
+                ("loom:spec_decode_num_drafts", "Verifications of a request's proposed tokens."),
+                ("loom:spec_decode_num_draft_tokens", "Tokens proposed for verification."),
+                ("loom:spec_decode_num_accepted_tokens", "Proposed tokens that the model accepted."),
+            )
+        }
         now = time.time()
         seen: set[tuple[str, str, str]] = set()
         for source in list(self._sources.values()):
@@ -107,10 +116,17 @@ class EngineCollector(Collector):
                 for tenant, kv in s.kv_by_tenant.items():
                     for kind, blocks in (("held", kv.held), ("floor", kv.floor), ("cap", kv.cap)):
                         tenant_kv.add_metric([*key, tenant, kind], float(blocks))
+                for tenant, c in s.speculation.items():
+                    for name, count in (
+                        ("loom:spec_decode_num_drafts", c.drafts),
+                        ("loom:spec_decode_num_draft_tokens", c.draft_tokens),
+                        ("loom:spec_decode_num_accepted_tokens", c.accepted_tokens),
+                    ):
+                        spec[name].add_metric([*key, tenant], float(count))
                 if s.max_loras:
                     adapters = [str(s.max_loras), ",".join(s.running_adapters), ",".join(s.waiting_adapters)]
                     lora.add_metric([*key, *adapters], now)
-        yield from (*families.values(), waiting, tenant_kv, lora)
+        yield from (*families.values(), waiting, tenant_kv, *spec.values(), lora)
 
 
 # (name, kind, help, value): the per-replica engine series, under vLLM's names where they mean the

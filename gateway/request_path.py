@@ -382,6 +382,7 @@ class RequestPath:
             cache_salt=self.tenancy.prefix_cache_salt(tenant.id),
             kv_share=KvShare(floor=tenant.kv_floor, cap=tenant.kv_cap),
             adapter=adapter,
+            speculative=tenant.speculative if v.speculative is None else v.speculative,
         )
 
     async def _admit(self, tenant: Tenant, v: ValidRequest, request: GenerationRequest) -> Admission:

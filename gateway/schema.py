@@ -50,6 +50,7 @@ class InferenceRequest:
     logprobs: int | None = None  # None: none; k: each token's log-probability and its k best rivals
     user: str | None = None  # the client's own end-user id: logged with the request id, never trusted
     constraint: Constraint | None = None  # what the output must match: a JSON schema, a regex...
+    speculative: bool | None = None  # opt into speculative decoding; None: the tenant's setting
 
 
 @dataclass(frozen=True)

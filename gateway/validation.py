@@ -45,6 +45,7 @@ class ValidRequest:
     logprobs: int | None
     user: str | None
     constraint: Constraint | None = None  # its grammar is checked once the model is known
+    speculative: bool | None = None  # None: the tenant's setting
 
 
 _LONE_SURROGATE = "is not valid Unicode text (it holds a lone surrogate)"
@@ -147,6 +148,7 @@ def validate(request: InferenceRequest, decode_violations: Sequence[Violation] =
         request_id=request.request_id or uuid.uuid4().hex,
         n=request.n,
         logprobs=request.logprobs,
+        speculative=request.speculative,
         user=request.user,
         constraint=request.constraint,
     )

@@ -96,6 +96,11 @@ def _add_tenant_fields(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--kv-cap", type=float, help="most of each replica's KV blocks the tenant may hold (0-1)")
     p.add_argument(
+        "--speculative",
+        action=argparse.BooleanOptionalAction,
+        help="requests speculate by default (prompt lookup; a request may say otherwise)",
+    )
+    p.add_argument(
         "--slo",
         type=_slo,
         action="append",
@@ -131,6 +136,7 @@ def _tenant_changes(args: argparse.Namespace) -> dict[str, Any]:
         "weight",
         "kv_floor",
         "kv_cap",
+        "speculative",
         "pool",
         "dedicated_pool",
     ):

@@ -185,6 +185,11 @@ class Tenant(_Frozen):
     kv_cap: float = Field(
         default=1.0, gt=0, le=1, description="Most of each replica's KV blocks the tenant may hold."
     )
+    speculative: bool = Field(
+        default=False,
+        description="Requests speculate by default (prompt lookup: input-grounded work runs faster, "
+        "output unchanged); a request's own 'speculative' overrides it.",
+    )
     quotas: Quotas = Field(default_factory=Quotas)
     slo: dict[Priority, SloTarget] = Field(
         default_factory=dict, description="Latency targets per priority class (none: best effort)."

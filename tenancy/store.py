@@ -39,6 +39,7 @@ UPDATABLE_FIELDS = frozenset(
         "weight",
         "kv_floor",
         "kv_cap",
+        "speculative",
         "quotas",
         "slo",
         "allowed_models",

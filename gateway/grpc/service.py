@@ -39,7 +39,7 @@ _FINISH = {
     FinishReason.ERROR: pb.FINISH_REASON_ERROR,
 }
 # proto3 ``optional`` fields: when absent, the neutral request's default applies (one place for them).
-_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs")
+_OPTIONAL_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "logprobs", "speculative")
 
 
 def to_request(message: pb.GenerateRequest) -> tuple[InferenceRequest, list[Violation]]:

@@ -121,6 +121,7 @@ def _common(body: ChatCompletionRequest | CompletionRequest, bad: list[Violation
         "priority": body.priority,
         "request_id": body.request_id,
         "user": body.user,
+        "speculative": body.speculative,
     }
     for name in ("temperature", "top_p", "top_k", "seed"):
         value = getattr(body, name)

@@ -94,6 +94,9 @@ class _Sampling(_Body):
         None, description="vLLM (older): the output is one of these"
     )
     guided_grammar: str | None = Field(None, description="vLLM (older): a Lark or GBNF grammar")
+    speculative: bool | None = Field(
+        None, description="Loom: opt into speculative decoding (unset: the tenant's setting)"
+    )
 
 
 class ChatCompletionRequest(_Sampling):

@@ -31,6 +31,7 @@ from serving.app import PoolSpec, engine_app
 from tenancy import TenancySettings
 from tests.gateway.conftest import (
     SECRET,
+    SMOL,
     TINY,
     Gateway,
     _tiny_engine,
@@ -86,6 +87,41 @@ async def test_metrics_endpoint_reports_requests_and_engine_gauges(gateway: Gate
         fraction = {"floor": 0.25, "cap": 0.5}.get(s.labels["kind"])
         if fraction is not None:
             assert s.value == int(fraction * totals[_replica(s.labels)])
+
+
+async def test_speculation_is_opted_into_by_tenant_or_request_and_counted_per_tenant(
+    gateway: Gateway,
+) -> None:
+    """A tenant set to speculate does, unless its request says otherwise; a request may opt in on its
+    own; the spec-decode counters say per tenant what was proposed and accepted."""
+    by_tenant, key_on = await gateway.tenant(speculative=True)
+    declined, key_declined = await gateway.tenant(speculative=True)
+    by_request, key_off = await gateway.tenant()
+    repetitive = "a b c d e f g h " * 6 + "a b c"  # the model goes on with the pattern
+    for key, flag in ((key_on, None), (key_declined, False), (key_off, True)):
+        extra = {} if flag is None else {"speculative": flag}
+        async with gateway.client(key) as client:
+            await collect(
+                client.generate_call(
+                    req(model=SMOL, prompt=repetitive, max_tokens=8, temperature=0.0, **extra)
+                )
+            )
+    port = gateway.server.metrics_port
+
+    def drafts() -> dict[str, float]:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            text = r.read().decode()
+        samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+        out: dict[str, float] = {}
+        for s in samples:
+            if s.name == "loom:spec_decode_num_drafts_total":
+                out[s.labels["tenant"]] = out.get(s.labels["tenant"], 0.0) + s.value
+        return out
+
+    await eventually(lambda: {by_tenant.id, by_request.id} <= set(drafts()))
+    counts = drafts()
+    assert counts[by_tenant.id] >= 1 and counts[by_request.id] >= 1
+    assert declined.id not in counts
 
 
 def _replica(labels: dict[str, str]) -> tuple[str, ...]:

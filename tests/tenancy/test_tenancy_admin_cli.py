@@ -44,6 +44,9 @@ def test_admin_cli_kv_shares_and_slo_targets(admin):
     admin("tenant", "create", "acme", "--slo", "standard:ttft_ms=2000", "--slo", "batch:none")
     shared = admin("tenant", "update", "acme", "--kv-floor", "0.1", "--kv-cap", "0.5")
     assert (shared["kv_floor"], shared["kv_cap"]) == (0.1, 0.5)
+    assert shared["speculative"] is False
+    assert admin("tenant", "update", "acme", "--speculative")["speculative"] is True
+    assert admin("tenant", "update", "acme", "--no-speculative")["speculative"] is False
     assert "kv_floor (0.9) is above kv_cap" in admin(
         "tenant", "update", "acme", "--kv-floor", "0.9", expect=1
     )
