@@ -19,6 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_noisy,
         bench_served,
         bench_slo,
+        bench_speculative,
         bench_stream_cost,
         bench_structured,
         calibrate,
@@ -44,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fairness.register(bench_sub)  # loom bench fairness
     bench_noisy.register(bench_sub)  # loom bench noisy
     bench_slo.register(bench_sub)  # loom bench slo
+    bench_speculative.register(bench_sub)  # loom bench speculative
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak
     return parser
