@@ -55,6 +55,11 @@ class EngineConfig(BaseSettings):
         le=16,
         description="the most tokens a request that opts into speculation proposes a step; 0 disables it",
     )
+    speculative_draft_model: str | None = Field(
+        None,
+        description="a smaller model of the same vocabulary (.gguf or HF directory) that proposes "
+        "instead of prompt lookup",
+    )
     speculative_ngram_max: int = Field(
         4, ge=1, le=16, description="prompt lookup: the longest suffix matched against earlier tokens"
     )

@@ -30,6 +30,7 @@ from protocol.structured import size_violations
 from worker.block_manager import BlockManager
 from worker.checkpoint import Checkpoint, load_checkpoint
 from worker.device import kv_budget_bytes, resolved_device, resolved_dtype
+from worker.draft_proposer import DraftProposer
 from worker.engine_counters import EngineCounters
 from worker.fair_share import ServiceCosts
 from worker.grammars import Grammars
@@ -38,7 +39,7 @@ from worker.lora_slots import LoraSlots
 from worker.model import LlamaModel
 from worker.model_runner import ModelRunner, StepOutput
 from worker.output_processor import OutputProcessor
-from worker.proposer import NgramProposer
+from worker.proposer import NgramProposer, Proposer
 from worker.scheduler import GateChain, ScheduledBatch, SchedulerConfig, scheduler_class
 from worker.sequence import Sequence
 from worker.speculation import Speculation
@@ -48,7 +49,14 @@ log = logging.getLogger(__name__)
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig | None = None, checkpoint: Checkpoint | None = None) -> None:
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        checkpoint: Checkpoint | None = None,
+        draft: Checkpoint | None = None,
+    ) -> None:
+        """``draft``: the draft model's checkpoint, if given in code (else from
+        ``config.speculative_draft_model``)."""
         self.config = config = config or EngineConfig()
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
@@ -88,11 +96,7 @@ class LLMEngine:
             gate=GateChain(self.grammars, self.lora) if self.lora is not None else self.grammars,
         )
         self.runner = ModelRunner(self.model, self.kv_cache, self.lora, self.grammars)
-        self.speculation = Speculation(
-            NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max),
-            config.speculative_tokens,
-            self.max_model_len,
-        )
+        self.speculation = Speculation(self._proposer(draft), config.speculative_tokens, self.max_model_len)
         self.outputs = OutputProcessor(ckpt.tokenizer)
         self.eos_token_ids = frozenset(ckpt.tokenizer.eos_token_ids) | frozenset(ckpt.config.eos_token_ids)
         self.counters = EngineCounters(step_budget=config.max_num_batched_tokens)
@@ -107,6 +111,19 @@ class LLMEngine:
         self.grammars.on_ready = self.wakeup.set
         self._weight_bytes = self.model.weight_bytes()
         self._kv_bytes_per_token = self.kv_cache.bytes_per_token()
+
+    def _proposer(self, draft: Checkpoint | None) -> Proposer:
+        """Prompt lookup, or the draft model when one is configured (same vocabulary, or refused)."""
+        config = self.config
+        if draft is None and config.speculative_draft_model is None:
+            return NgramProposer(config.speculative_ngram_min, config.speculative_ngram_max)
+        draft = draft or load_checkpoint(config.speculative_draft_model)
+        if draft.config.vocab_size != self.model_config.vocab_size:
+            raise ValueError(
+                f"speculative_draft_model: its vocabulary has {draft.config.vocab_size} tokens, the "
+                f"model's {self.model_config.vocab_size}: a draft must share the model's tokenizer"
+            )
+        return DraftProposer(draft, self.block_manager.num_blocks, config.block_size, self.dtype, self.device)
 
     # ---- requests ------------------------------------------------------------------------------
 

@@ -17,8 +17,9 @@ from worker.sequence import Sequence
 
 
 class Proposer(Protocol):
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Up to ``max_tokens`` guesses of the tokens after ``seq.token_ids`` (none: no guess)."""
+    def propose(self, seqs: list[Sequence], room: list[int]) -> list[list[int]]:
+        """For each of ``seqs``, up to ``room[i]`` guesses of the tokens after its ``token_ids``
+        (none: no guess). All rows at once, so a draft model runs them as one batch."""
         ...
 
 
@@ -44,7 +45,11 @@ class NgramProposer:
         self.min_n, self.max_n = min_n, max_n
         self._index: weakref.WeakKeyDictionary[Sequence, _Index] = weakref.WeakKeyDictionary()
 
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
+    def propose(self, seqs: list[Sequence], room: list[int]) -> list[list[int]]:
+        return [self.guess(seq, n) for seq, n in zip(seqs, room, strict=True)]
+
+    def guess(self, seq: Sequence, max_tokens: int) -> list[int]:
+        """Up to ``max_tokens`` tokens that followed the latest longest match of ``seq``'s suffix."""
         tokens = seq.token_ids
         if max_tokens <= 0 or len(tokens) <= self.min_n:
             return []

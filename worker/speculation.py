@@ -80,7 +80,8 @@ class Speculation:
         if self.max_tokens == 0:
             return {}
         decoding = [s for s in running if s.status is SequenceStatus.RUNNING and not s.is_prefilling]
-        guesses: list[tuple[Sequence, list[int], float]] = []
+        rows: list[Sequence] = []
+        rooms: list[int] = []
         for seq in decoding:
             if not seq.speculative or seq.sampling.constraint is not None:
                 continue
@@ -90,8 +91,12 @@ class Speculation:
                 seq.sampling.max_tokens - seq.num_output_tokens - 1,
                 self.max_model_len - seq.num_tokens - 1,
             )
+            if room > 0:
+                rows.append(seq)
+                rooms.append(room)
+        guesses: list[tuple[Sequence, list[int], float]] = []
+        for seq, guess in zip(rows, self.proposer.propose(rows, rooms), strict=True):
             row = self._row(seq)
-            guess = self.proposer.propose(seq, room) if room > 0 else []
             if guess:
                 guesses.append((seq, guess, row.rate))
             else:

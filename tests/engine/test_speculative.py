@@ -6,9 +6,11 @@ without speculation; a row whose proposals fail stops proposing where proposals 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from common import Priority
+from loadtest.tiny_model import random_checkpoint, tiny_config
 from protocol.engine_config import EngineConfig
 from protocol.requests import FinishReason, GenerationRequest, RequestOutput, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
@@ -40,6 +42,22 @@ def _decoding(seq: Sequence) -> Sequence:
     return seq
 
 
+class _MemoryBoundStep(StepCost):
+    """A step that costs 25 ms plus 0.1 ms a token, whatever this machine measures meanwhile: what
+    the tests count (steps) must not move with the load beside them."""
+
+    def __init__(self) -> None:
+        super().__init__(base=0.025, per_token=0.0001)
+
+    def record(self, tokens: int, seconds: float) -> None:
+        return None
+
+
+def _memory_bound(engine: LLMEngine) -> LLMEngine:
+    engine.speculation.cost = _MemoryBoundStep()
+    return engine
+
+
 def _run(engine: LLMEngine, reqs: list[GenerationRequest]) -> dict[str, RequestOutput]:
     out = engine.run_to_completion(reqs)
     engine.block_manager.check_consistency()
@@ -63,14 +81,14 @@ def test_prompt_lookup_proposes_what_followed_the_latest_longest_match() -> None
     p = NgramProposer(min_n=2, max_n=3)
     seq = _seq([1, 2, 3, 4, 5, 9, 2, 3, 7, 8, 1, 2, 3])
     # Suffix [1, 2, 3] occurred at the start (followed by 4, 5); [2, 3] also later (followed by 7).
-    assert p.propose(seq, 4) == [4, 5, 9, 2]
-    assert p.propose(seq, 12) == [4, 5, 9, 2, 3, 7, 8, 1, 2, 3, 4, 5]  # past the end: around the loop
-    assert p.propose(seq, 1) == [4]
+    assert p.guess(seq, 4) == [4, 5, 9, 2]
+    assert p.guess(seq, 12) == [4, 5, 9, 2, 3, 7, 8, 1, 2, 3, 4, 5]  # past the end: around the loop
+    assert p.guess(seq, 1) == [4]
     seq.token_ids += [7]  # suffix [2, 3, 7]: only after position 6
-    assert p.propose(seq, 3) == [8, 1, 2]
+    assert p.guess(seq, 3) == [8, 1, 2]
     seq.token_ids += [6, 6]  # [7, 6, 6], [6, 6]: never seen before
-    assert p.propose(seq, 3) == []
-    assert p.propose(_seq([5, 5]), 3) == []  # too short to have a suffix and an earlier match
+    assert p.guess(seq, 3) == []
+    assert p.guess(_seq([5, 5]), 3) == []  # too short to have a suffix and an earlier match
 
 
 def test_a_proposal_never_runs_past_max_tokens_or_the_context() -> None:
@@ -100,8 +118,8 @@ def test_step_cost_is_fitted_from_the_engines_steps() -> None:
 
 
 class _WrongGuesses:
-    def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        return [0] * max_tokens
+    def propose(self, seqs: list[Sequence], room: list[int]) -> list[list[int]]:
+        return [[0] * n for n in room]
 
 
 def test_a_row_whose_guesses_fail_stops_proposing_in_a_large_batch_not_alone() -> None:
@@ -236,7 +254,7 @@ def test_greedy_with_speculation_equals_transformers(
 def test_grounded_work_accepts_most_proposals_and_changes_nothing(smollm: Checkpoint) -> None:
     ids = _repeat_prompt(smollm)
     plain = _run(LLMEngine(EngineConfig(num_blocks=256), smollm), [_req("r", ids, False, max_tokens=40)])
-    engine = LLMEngine(EngineConfig(num_blocks=256), smollm)
+    engine = _memory_bound(LLMEngine(EngineConfig(num_blocks=256), smollm))
     spec = _run(engine, [_req("r", ids, True, max_tokens=40)])
     assert spec["r"].token_ids == plain["r"].token_ids and spec["r"].text == plain["r"].text
     assert spec["r"].completion_tokens == 40
@@ -317,3 +335,47 @@ def test_speculation_is_per_request(smollm: Checkpoint) -> None:
     )
     counts = engine.stats().speculation
     assert counts["a"].drafts > 0 and "b" not in counts
+
+
+# ---- a draft model ---------------------------------------------------------------------------
+
+
+def _draft_run(
+    target: Checkpoint, draft: Checkpoint | None, num_blocks: int = 256
+) -> tuple[list[list[int]], LLMEngine]:
+    config = EngineConfig(num_blocks=num_blocks, block_size=4, max_model_len=160)
+    engine = _memory_bound(LLMEngine(config, target, draft=draft))
+    prompts = [[3 + i, 40, 41, 42, 43] * 3 for i in range(5)]
+    reqs = [
+        GenerationRequest(
+            f"r{i}", p, SamplingParams(max_tokens=30, ignore_eos=True), speculative=draft is not None
+        )
+        for i, p in enumerate(prompts)
+    ]
+    out = _run(engine, reqs)
+    return [out[f"r{i}"].token_ids for i in range(len(prompts))], engine
+
+
+def test_a_draft_of_the_same_weights_is_always_right(tiny: Checkpoint) -> None:
+    reference, _ = _draft_run(tiny, None)
+    tokens, engine = _draft_run(tiny, tiny)
+    assert tokens == reference
+    counts = engine.stats().speculation["default"]
+    assert counts.draft_tokens > 0 and counts.accepted_tokens >= 0.9 * counts.draft_tokens
+    assert engine.counters.steps < 20  # 30 tokens each in far fewer steps than 30
+
+
+def test_a_different_draft_changes_only_the_speed(tiny: Checkpoint) -> None:
+    other = random_checkpoint(tiny_config(num_layers=1, hidden_size=32, intermediate_size=64), seed=5)
+    reference, _ = _draft_run(tiny, None)
+    tokens, engine = _draft_run(tiny, other, num_blocks=48)  # tight: preemptions, and rows stopping
+    assert tokens == reference
+    assert engine.stats().speculation["default"].draft_tokens > 0
+    proposer = engine.speculation.proposer
+    engine.speculation.propose([])  # the rows that ended give their draft blocks back
+    assert proposer.num_free_blocks == engine.block_manager.num_blocks  # type: ignore[attr-defined]
+
+
+def test_a_draft_of_another_vocabulary_is_refused(smollm: Checkpoint, tiny: Checkpoint) -> None:
+    with pytest.raises(ValueError, match="speculative_draft_model: its vocabulary has"):
+        LLMEngine(EngineConfig(num_blocks=64), smollm, draft=tiny)
