@@ -379,3 +379,22 @@ def test_a_different_draft_changes_only_the_speed(tiny: Checkpoint) -> None:
 def test_a_draft_of_another_vocabulary_is_refused(smollm: Checkpoint, tiny: Checkpoint) -> None:
     with pytest.raises(ValueError, match="speculative_draft_model: its vocabulary has"):
         LLMEngine(EngineConfig(num_blocks=64), smollm, draft=tiny)
+
+
+def test_a_resumed_stream_continues_exactly_with_speculation(smollm: Checkpoint) -> None:
+    """A stream cut after 9 tokens and resumed elsewhere (its delivered tokens appended to the
+    prompt) ends with the same tokens and text as the uncut one."""
+    ids = _repeat_prompt(smollm)
+    whole = _run(LLMEngine(EngineConfig(num_blocks=256), smollm), [_req("r", ids, True, max_tokens=24)])["r"]
+    cut = 9
+    resumed = GenerationRequest(
+        "r2",
+        ids + whole.token_ids[:cut],
+        SamplingParams(max_tokens=24 - cut),
+        num_resumed_tokens=cut,
+        speculative=True,
+    )
+    rest = _run(LLMEngine(EngineConfig(num_blocks=256), smollm), [resumed])["r2"]
+    assert rest.token_ids == whole.token_ids[cut:]
+    head = smollm.tokenizer.decode(whole.token_ids[:cut])
+    assert whole.text.startswith(head) and head + rest.text == whole.text

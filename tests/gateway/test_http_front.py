@@ -66,6 +66,24 @@ async def test_chat_streamed_and_whole_equal_the_grpc_path(gateway: Gateway) -> 
     assert all(c.usage is None for c in chunks[:-1])
 
 
+async def test_speculation_asked_through_the_sdk_streams_the_same_text(gateway: Gateway) -> None:
+    """``extra_body={"speculative": True}``: the same greedy text, streamed; a non-boolean is a 400
+    naming the field."""
+    _, key = await gateway.tenant()
+    prompt = "a b c d e f g h " * 6 + "a b c"  # the model goes on with the pattern: proposals hold
+    client = gateway.openai(key)
+    plain = await client.completions.create(model=SMOL, prompt=prompt, max_tokens=16, temperature=0)
+    stream = await client.completions.create(
+        model=SMOL, prompt=prompt, max_tokens=16, temperature=0, stream=True, extra_body={"speculative": True}
+    )
+    assert "".join([c.choices[0].text async for c in stream if c.choices]) == plain.choices[0].text
+    with pytest.raises(openai.BadRequestError) as bad:
+        await client.completions.create(
+            model=SMOL, prompt=prompt, max_tokens=4, extra_body={"speculative": "x"}
+        )
+    assert "speculative" in str(bad.value)
+
+
 async def test_completions_streamed_and_whole_equal_the_grpc_path(gateway: Gateway) -> None:
     _, key = await gateway.tenant()
     want_text, want_ids, _ = await grpc_greedy(gateway, key, model=TINY, prompt="the loom", max_tokens=12)
