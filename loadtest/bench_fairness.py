@@ -6,7 +6,10 @@ Two tenants (one of long prompts and short outputs, one of short prompts and lon
 1:1 and 1:3, and four tenants of mixed lengths at 1:1:3:3, every one kept backlogged for 2,000 steps,
 at two batch shapes: the engine's defaults (64 sequences, 512 tokens a step) and a slot-bound one (16
 sequences, 256 tokens), where the batch is full of decodes while most of the step's budget idles, so a
-tenant that falls behind waits for a slot to free before the scheduler can favour it.
+tenant that falls behind waits for a slot to free before the scheduler can favour it. Last, a pool
+of two replicas (engine defaults) where tenant b is pinned to one replica (an adapter or prefix
+affinity) and tenant a spreads over both, with each replica fair on its own and with the replicas
+sharing their service through the pool's ledger (serving/pool_ledger.py).
 Service counts prefill tokens at 1 and decode tokens at 2, from each step's batch. Each run is shown
 with Loom's accounting (VTC's costs) and, beside it, with every token charged alike: the baseline
 the accounting is there to beat. Writes ``fairness.json`` and ``fairness.md`` under ``--out``.
@@ -20,12 +23,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.fairness import Shapes, backlogged_run
+from loadtest.fairness import Shapes, backlogged_run, pool_run
 from loadtest.markdown import render, write_report
 from protocol.engine_config import EngineConfig
 from worker.api import ServiceCosts
 
 RESULTS_DIR = Path(__file__).parent / "results"
+LEDGER_EVERY = 20  # steps between the replicas' reports to the pool's ledger (1 s at 50 ms a step)
 LONG_PROMPTS: Shapes = ((8, 512), (4, 64))
 LONG_OUTPUTS: Shapes = ((8, 64), (16, 256))
 MIXED: Shapes = ((8, 512), (4, 256))
@@ -58,9 +62,16 @@ def run_benchmark(window: int = 200, out_dir: Path | None = RESULTS_DIR) -> dict
                 )
                 runs[f"{name}, {accounting}"] = {k: round(v, 4) for k, v in dataclasses.asdict(f).items()}
         batches[batch] = {"max_num_seqs": max_num_seqs, "step_budget": step_budget, "runs": runs}
+    pool: dict[str, Any] = {}
+    for name, every in (("each replica alone", None), (f"a ledger every {LEDGER_EVERY} steps", LEDGER_EVERY)):
+        f, shares = pool_run(
+            {"a": 1.0, "b": 1.0}, dict.fromkeys("ab", MIXED), {"b": 0}, ledger_every=every, window=window
+        )
+        pool[name] = {**{k: round(v, 4) for k, v in dataclasses.asdict(f).items()}, "shares": shares}
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "batches": batches,
+        "pool": {"replicas": 2, "ledger_every": LEDGER_EVERY, "runs": pool},
         "workload": {
             "window_steps": window,
             "steps": 2000,

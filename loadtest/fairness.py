@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from loadtest.scheduler_sim import SchedulerSim
+from serving.pool_ledger import PoolLedger
 
 Served = dict[str, tuple[int, int]]  # tenant -> (prefill, decode) tokens in one step
 
@@ -134,3 +135,65 @@ def backlogged_run(
         raise RuntimeError("a tenant ran out of backlog: submit more requests or run fewer steps")
     batch_tokens = max_num_seqs * (longest_prompt + longest_output)
     return measure(sim.served[20:], weights, bound=vtc_bound(longest_prompt, batch_tokens), window=window)
+
+
+def pool_run(
+    weights: dict[str, float],
+    shapes: dict[str, Shapes],
+    pinned: dict[str, int],
+    *,
+    replicas: int = 2,
+    ledger_every: int | None = 20,
+    max_num_seqs: int = 64,
+    step_budget: int = 512,
+    steps: int = 2000,
+    window: int = 200,
+    seed: int = 0,
+) -> tuple[Fairness, dict[str, float]]:
+    """Backlogged tenants over a pool of ``replicas`` stepped in lockstep: a tenant in ``pinned``
+    sends every request to that replica (an adapter or prefix affinity), the others spread theirs
+    round-robin. Every ``ledger_every`` steps (None: never) the replicas share their service through
+    the pool's ledger. Fairness is measured on the pool's service, and returned with each tenant's
+    share of it."""
+    rng = random.Random(seed)
+    sims = [
+        SchedulerSim(
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=step_budget, num_blocks=8192, block_size=16
+        )
+        for _ in range(replicas)
+    ]
+    longest_prompt = 0
+    per_replica = 900 * max(1, max_num_seqs // 16)
+    for i in range(per_replica * replicas):
+        for tenant, weight in weights.items():
+            target = pinned.get(tenant, i % replicas)
+            if tenant in pinned and i >= per_replica:
+                continue
+            (p_lo, p_hi), (o_lo, o_hi) = shapes[tenant]
+            prompt = rng.randint(p_lo, p_hi)
+            longest_prompt = max(longest_prompt, prompt)
+            sims[target].submit(prompt, rng.randint(o_lo, o_hi), tenant=tenant, weight=weight)
+    ledger = PoolLedger()
+    for step in range(steps):
+        for sim in sims:
+            sim.step()
+        if ledger_every and (step + 1) % ledger_every == 0:
+            for r, sim in enumerate(sims):
+                sim.scheduler.fair.set_remote(ledger.report(f"r{r}", sim.scheduler.fair.served()))
+    for tenant in weights:
+        used = [pinned[tenant]] if tenant in pinned else range(replicas)
+        if not any(any(tenant in q for q in sims[r].scheduler.waiting.values()) for r in used):
+            raise RuntimeError("a tenant ran out of backlog: submit more requests or run fewer steps")
+    pooled: list[Served] = []
+    for per_step in zip(*(sim.served for sim in sims), strict=True):
+        merged: Served = {}
+        for served in per_step:
+            for tenant, (p, d) in served.items():
+                mp, md = merged.get(tenant, (0, 0))
+                merged[tenant] = (mp + p, md + d)
+        pooled.append(merged)
+    pooled = pooled[20:]
+    total = {t: sum(service(s, t, 1.0, 2.0) for s in pooled) for t in weights}
+    shares = {t: round(v / sum(total.values()), 4) for t, v in total.items()}
+    bound = vtc_bound(longest_prompt, replicas * max_num_seqs * (longest_prompt + 256))
+    return measure(pooled, weights, bound=bound, window=window), shares

@@ -41,6 +41,7 @@ log = logging.getLogger(__name__)
 MAX_ONGOING_REQUESTS = 4096
 ROUTING_STATS_PERIOD_S = 1.0
 SWEEP_PERIOD_S = 5.0  # how often requests of subscribers gone for good are looked for
+LEDGER_PERIOD_S = 1.0  # how often a replica shares its fair-share service with the pool's others
 
 
 class EngineReplica:
@@ -66,6 +67,7 @@ class EngineReplica:
         start_phases.report(deployment, replica, "ready")
         self._outboxes = Outboxes(self.engine.abort)
         self._sweeper: asyncio.Task[None] | None = None
+        self._ledger_name = _ledger_name()
         log.info("engine replica ready: %s", self.info)
 
     async def generate(self, request: GenerationRequest, subscriber: str) -> None:
@@ -85,6 +87,8 @@ class EngineReplica:
             raise
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
+            if self._ledger_name is not None:
+                self._ledger_task = asyncio.create_task(self._share_service(self._ledger_name))
         try:
             await done
         finally:
@@ -105,6 +109,25 @@ class EngineReplica:
             aborted = self._outboxes.sweep()
             if aborted:
                 log.warning("aborted %d requests whose gateway holds no stream any more", len(aborted))
+
+    async def _share_service(self, name: str) -> None:
+        """Every second, this replica's fair-share service to the pool's ledger and the other
+        replicas' back into the engine's counters: tenants are served fairly across the pool, not
+        replica by replica (worker/fair_share.py). Unreachable, the replica stays fair on its own."""
+        from serving.ledger import pool_ledger
+
+        ledger = None
+        engine = self.engine.engine
+        while True:
+            await asyncio.sleep(LEDGER_PERIOD_S)
+            try:
+                ledger = ledger or pool_ledger(name)
+                engine.set_remote_service(await ledger.report.remote(self.replica_id, engine.fair_service()))
+            except Exception as exc:
+                ledger = None
+                log.warning(
+                    "the pool's service ledger is unreachable (%s): fair share per replica meanwhile", exc
+                )
 
     async def model_info(self) -> ModelInfo:
         return self.info
@@ -135,12 +158,21 @@ class EngineReplica:
             raise EngineDeadError(f"the last {failing} forward passes failed")
 
     def __del__(self) -> None:
-        sweeper = getattr(self, "_sweeper", None)
-        if sweeper is not None:
-            sweeper.cancel()
+        for task in (getattr(self, "_sweeper", None), getattr(self, "_ledger_task", None)):
+            if task is not None:
+                task.cancel()
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown(timeout=2.0)
+
+
+def _ledger_name() -> str | None:
+    """The name the deployment's ledger goes by (application and deployment); None outside Serve."""
+    try:
+        context = serve.get_replica_context()
+    except RayServeException:
+        return None
+    return f"{context.app_name}/{context.deployment}"
 
 
 def _whoami() -> tuple[str, str]:

@@ -16,6 +16,7 @@ from collections.abc import Callable
 
 import torch
 
+from common import Priority
 from protocol.engine_config import EngineConfig
 from protocol.model_info import ModelInfo
 from protocol.requests import (
@@ -300,6 +301,15 @@ class LLMEngine:
         stats = self.counters.snapshot(self.scheduler, self.block_manager, self.lora)
         counts = {t: dataclasses.replace(c) for t, c in self.speculation.counts.items()}
         return dataclasses.replace(stats, speculation=counts)
+
+    def fair_service(self) -> dict[tuple[Priority, str], float]:
+        """Weighted service given here per (class, tenant), cumulative: the pool's ledger sums it
+        (safe from another thread: a copy under the interpreter's lock)."""
+        return self.scheduler.fair.served()
+
+    def set_remote_service(self, served: dict[tuple[Priority, str], float]) -> None:
+        """What the pool's other replicas gave each (class, tenant): counted in the fair share."""
+        self.scheduler.fair.set_remote(served)
 
     def model_info(self, pool: str = "") -> ModelInfo:
         return ModelInfo(

@@ -9,6 +9,12 @@ Each (class, tenant) pair keeps a virtual counter that grows by ``service / weig
 scheduled on its behalf; whoever has the smallest counter is served next. A tenant that was idle is
 lifted to the smallest counter among the active ones when it comes back, so idleness is not banked as
 credit (the Virtual Token Counter scheme of Sheng et al., OSDI'24, with weights).
+
+Across the replicas of a pool the counters are one: each replica adds to its own counters the
+weighted service every tenant got on the other replicas (``set_remote``, from the pool's ledger,
+serving/pool_ledger.py). A tenant whose requests are spread over many replicas then yields, on the
+one it shares with a tenant pinned there (by an adapter or prefix affinity), as VTC's distributed
+variant does: fairness is of the pool's service, not of each replica's.
 """
 
 from __future__ import annotations
@@ -38,19 +44,34 @@ class FairShare:
         self.costs = costs or ServiceCosts()
         self._counter: dict[Key, float] = defaultdict(float)
         self._active: dict[Key, int] = defaultdict(int)  # live sequences per key
+        self._served: dict[Key, float] = defaultdict(float)  # weighted service given here, per key
+        # Weighted service given on the pool's other replicas (replaced whole, never mutated: a
+        # driver thread may swap it while the engine's thread reads it).
+        self._remote: dict[Key, float] = {}
         self.tokens: dict[str, int] = defaultdict(int)  # tokens charged per tenant (for stats/tests)
         self.service: dict[str, float] = defaultdict(float)  # service charged per tenant, unweighted
 
     def counter(self, priority: Priority, tenant: str) -> float:
-        return self._counter[(priority, tenant)]
+        return self._total((priority, tenant))
+
+    def _total(self, key: Key) -> float:
+        return self._counter[key] + self._remote.get(key, 0.0)
+
+    def set_remote(self, served: dict[Key, float]) -> None:
+        """The weighted service each key got on the pool's other replicas (cumulative)."""
+        self._remote = dict(served)
+
+    def served(self) -> dict[Key, float]:
+        """The weighted service each key got on this replica (cumulative): what the ledger sums."""
+        return dict(self._served)
 
     def activate(self, priority: Priority, tenant: str) -> None:
         """A sequence of ``tenant`` entered class ``priority``."""
         key = (priority, tenant)
         if self._active[key] == 0:
-            floor = [self._counter[k] for k, n in self._active.items() if n and k[0] == priority]
+            floor = [self._total(k) for k, n in self._active.items() if n and k[0] == priority]
             if floor:
-                self._counter[key] = max(self._counter[key], min(floor))
+                self._counter[key] += max(0.0, min(floor) - self._total(key))
         self._active[key] += 1
 
     def deactivate(self, priority: Priority, tenant: str) -> None:
@@ -63,13 +84,11 @@ class FairShare:
         """Charge ``tenant`` for ``prefill`` and ``decode`` tokens (negative counts refund them)."""
         service = self.costs.prefill * prefill + self.costs.decode * decode
         self._counter[(priority, tenant)] += service / weight
+        self._served[(priority, tenant)] += service / weight
         self.service[tenant] += service
         self.tokens[tenant] += prefill + decode
 
     def over_share(self, priority: Priority, tenant: str) -> float:
         """How far ahead of the least-served active tenant of its class this tenant is."""
-        key = (priority, tenant)
-        floor = min(
-            (self._counter[k] for k, n in self._active.items() if n and k[0] == priority), default=0.0
-        )
-        return self._counter[key] - floor
+        floor = min((self._total(k) for k, n in self._active.items() if n and k[0] == priority), default=0.0)
+        return self._total((priority, tenant)) - floor

@@ -135,6 +135,7 @@ class ModelRunner:
                     spec,
                     seq.sampling,
                     None if seq.sampling.greedy else self._rng(seq),
+                    seq.num_tokens,
                 )
             except Exception as exc:  # this row's values, never the batch's problem
                 gained = RowFailed(f"sampling failed for this request ({type(exc).__name__})")
@@ -160,7 +161,11 @@ class ModelRunner:
         lp_logits = logits.index_select(0, torch.tensor(wants_lp)) if masks is not None and wants_lp else None
         rows: list[int] = []
         for row, (seq, token) in enumerate(
-            zip(sampled_seqs, sample(logits, params, rngs, masks), strict=True)
+            zip(
+                sampled_seqs,
+                sample(logits, params, rngs, masks, [s.num_tokens for s in sampled_seqs]),
+                strict=True,
+            )
         ):
             if isinstance(token, RowFailed):
                 out.failed.append((seq, token.reason))

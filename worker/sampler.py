@@ -1,7 +1,10 @@
 """Turns next-token logits into tokens: greedy, or temperature with top-k/top-p, per request.
 
-Each sampled request draws from its own generator, seeded from the request's seed when it has one,
-so the same seed gives the same text whatever else shares the batch.
+Each sampled request draws from its own random source, seeded from the request's seed when it has
+one, and the draw for an output position depends on the seed and that position only: the token is
+where a uniform number keyed by (seed, position) falls in the row's cumulative distribution. So the
+same seed gives the same text whatever else shares the batch, however many tokens a step verified
+for it (speculative decoding compares a proposal with exactly this draw), and after a resume.
 
 A row whose logits are not all finite (a numerical fault), or whose sampling raises for any reason,
 gets no token but a ``RowFailed``: its request fails alone and every other row of the batch is
@@ -13,6 +16,7 @@ JSON ``top_p`` of 1e-46 is 0.0 in float32).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import secrets
 from dataclasses import dataclass
@@ -39,15 +43,32 @@ NOTHING_ALLOWED = RowFailed("the output constraint allows no token here")
 
 
 class RequestRng:
-    """A per-request random stream (CPU generator: identical draws on every device)."""
+    """A request's random source: one uniform number per output position, keyed by (seed, position)
+    (a hash, not a stream: identical on every device and in whatever order positions are drawn)."""
 
     def __init__(self, seed: int | None) -> None:
-        self.generator = torch.Generator(device="cpu")
-        self.generator.manual_seed(seed if seed is not None else secrets.randbits(63))
+        self.seed = seed if seed is not None else secrets.randbits(63)
+
+    def uniform(self, position: int) -> float:
+        digest = hashlib.blake2b(f"{self.seed}:{position}".encode(), digest_size=8).digest()
+        return (int.from_bytes(digest, "little") >> 11) / float(1 << 53)  # [0, 1), 53 bits
+
+    def draw(self, probs: torch.Tensor, position: int) -> int:
+        """The token at ``position`` from ``probs`` (unnormalized is fine): inverse-CDF sampling."""
+        cdf = torch.cumsum(probs.double(), dim=-1)
+        total = float(cdf[-1])
+        if not total > 0:
+            raise ValueError("nothing to draw from")
+        at = int(
+            torch.searchsorted(
+                cdf, torch.tensor([self.uniform(position) * total], dtype=torch.float64), right=True
+            )
+        )
+        return min(at, probs.shape[-1] - 1)
 
 
-def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
-    return int(torch.multinomial(probabilities(logits, params), 1, generator=rng.generator).item())
+def _sample_one(logits: torch.Tensor, params: SamplingParams, rng: RequestRng, position: int) -> int:
+    return rng.draw(probabilities(logits, params), position)
 
 
 def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -72,9 +93,11 @@ def sample(
     params: list[SamplingParams],
     rngs: list[RequestRng | None],
     masks: StepMasks | None = None,
+    positions: list[int] | None = None,
 ) -> list[int | RowFailed]:
     """One token per row of ``logits [n, vocab]``, or why that row got none. ``masks``: the grammar
-    masks of the constrained rows (a sampled one's logits are masked in place)."""
+    masks of the constrained rows (a sampled one's logits are masked in place). ``positions``: the
+    sequence position each row's token takes (its draw is keyed by it; default 0)."""
     # One pass gives every row's greedy pick and finiteness (kernels/argmax.py); a sampled row
     # ignores its pick, a constrained one is picked again among its allowed tokens.
     picks, finite = argmax_rows(logits)
@@ -95,7 +118,7 @@ def sample(
             rng = rngs[i]
             assert rng is not None, "a sampled request needs its RequestRng"
             try:
-                out.append(_sample_one(logits[i], p, rng))
+                out.append(_sample_one(logits[i], p, rng, positions[i] if positions else 0))
             except Exception as exc:  # this row's values, never the batch's problem
                 log.warning(
                     "sampling failed for one row (%s: %s); its request is stopped", type(exc).__name__, exc

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.fairness import Fairness, Shapes, backlogged_run
+from common import Priority
+from loadtest.fairness import Fairness, Shapes, backlogged_run, pool_run
 from loadtest.scheduler_sim import SchedulerSim
-from worker.fair_share import ServiceCosts
+from serving.pool_ledger import PoolLedger
+from worker.fair_share import FairShare, ServiceCosts
 
 SEQS, BUDGET = 16, 256  # slot-bound: the batch is full of decodes while the budget idles
 DEFAULT_SEQS, DEFAULT_BUDGET = 64, 512  # the engine's defaults
@@ -85,3 +87,37 @@ def test_service_is_charged_per_phase_once_per_position() -> None:
     squeezed, preemptions = charged(32)  # four sequences of up to 50 tokens in 128 slots
     assert none == 0 and preemptions > 0
     assert squeezed == roomy == 4 * (20 + 2 * 29)
+
+
+def test_service_on_other_replicas_counts_toward_a_tenants_share() -> None:
+    fair = FairShare()
+    std = Priority.STANDARD
+    fair.activate(std, "a")
+    fair.activate(std, "b")
+    fair.charge(std, "a", 1.0, prefill=10, decode=0)
+    assert fair.counter(std, "a") > fair.counter(std, "b")
+    fair.set_remote({(std, "b"): 100.0})  # b was served elsewhere in the pool
+    assert fair.counter(std, "b") > fair.counter(std, "a")
+    assert fair.served() == {(std, "a"): 10.0}  # what this replica reports: its own service only
+    fair.activate(std, "c")  # a newcomer is lifted to the least counter, remote service included
+    assert fair.counter(std, "c") == fair.counter(std, "a")
+
+
+def test_the_pool_ledger_gives_each_replica_the_others_service() -> None:
+    std, batch = Priority.STANDARD, Priority.BATCH
+    ledger = PoolLedger()
+    assert ledger.report("r0", {(std, "a"): 5.0}) == {}
+    assert ledger.report("r1", {(std, "a"): 2.0, (batch, "b"): 1.0}) == {(std, "a"): 5.0}
+    assert ledger.report("r0", {(std, "a"): 7.0}) == {(std, "a"): 2.0, (batch, "b"): 1.0}
+    assert ledger.report("r1", {(std, "a"): 3.0}) == {(std, "a"): 7.0}  # cumulative: replaced
+
+
+def test_a_tenant_pinned_to_one_replica_gets_its_share_of_the_pool() -> None:
+    """Tenant b's requests all go to replica 0 (an affinity), a's to both: alone, each replica is fair
+    to its own and b gets a quarter of the pool; sharing service through the ledger, half."""
+    shapes = dict.fromkeys("ab", ((8, 512), (4, 256)))
+    weights = {"a": 1.0, "b": 1.0}
+    alone, alone_shares = pool_run(weights, shapes, {"b": 0}, ledger_every=None)
+    pooled, shares = pool_run(weights, shapes, {"b": 0}, ledger_every=20)
+    assert alone_shares["b"] < 0.3 and alone.jain_mean < 0.85
+    assert shares["b"] > 0.45 and pooled.jain_mean >= 0.99

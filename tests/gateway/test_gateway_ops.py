@@ -24,10 +24,12 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from common import Priority
 from gateway.grpc.client import LoomClient
 from gateway.grpc.stubs import SERVICE_NAME, pb
 from gateway.settings import GatewaySettings
 from serving.app import PoolSpec, engine_app
+from serving.ledger import pool_ledger
 from tenancy import TenancySettings
 from tests.gateway.conftest import (
     SECRET,
@@ -122,6 +124,23 @@ async def test_speculation_is_opted_into_by_tenant_or_request_and_counted_per_te
     counts = drafts()
     assert counts[by_tenant.id] >= 1 and counts[by_request.id] >= 1
     assert declined.id not in counts
+
+
+async def test_replicas_share_their_service_through_the_pools_ledger(gateway: Gateway) -> None:
+    """A tenant served by a replica shows in its deployment's ledger within a few seconds: what every
+    other replica of the pool adds to its fair-share counters."""
+    tenant, key = await gateway.tenant()
+    async with gateway.client(key) as client:
+        await collect(client.generate_call(req(max_tokens=4)))
+    ledger = pool_ledger("engine-tiny/engine-shared")
+    seen: dict[tuple[Priority, str], float] = {}
+
+    async def served() -> bool:
+        seen.update(await ledger.report.remote("a-probe", {}))
+        return (Priority.STANDARD, tenant.id) in seen
+
+    await eventually(served, interval_s=0.2)
+    assert seen[(Priority.STANDARD, tenant.id)] > 0
 
 
 def _replica(labels: dict[str, str]) -> tuple[str, ...]:
