@@ -8,7 +8,9 @@ recomputed after a preemption (the scheduler chose that, not the tenant).
 Each (class, tenant) pair keeps a virtual counter that grows by ``service / weight`` for the work
 scheduled on its behalf; whoever has the smallest counter is served next. A tenant that was idle is
 lifted to the smallest counter among the active ones when it comes back, so idleness is not banked as
-credit (the Virtual Token Counter scheme of Sheng et al., OSDI'24, with weights).
+credit (the Virtual Token Counter scheme of Sheng et al., OSDI'24, with weights). When a class goes
+idle, its counters are brought level: service a tenant got while it was alone is not a debt it pays
+when the others come back before it does.
 
 Across the replicas of a pool the counters are one: each replica adds to its own counters the
 weighted service every tenant got on the other replicas (``set_remote``, from the pool's ledger,
@@ -48,6 +50,7 @@ class FairShare:
         # Weighted service given on the pool's other replicas (replaced whole, never mutated: a
         # driver thread may swap it while the engine's thread reads it).
         self._remote: dict[Key, float] = {}
+        self._level: dict[Priority, float] = {}  # where every counter of a class stood when it went idle
         self.tokens: dict[str, int] = defaultdict(int)  # tokens charged per tenant (for stats/tests)
         self.service: dict[str, float] = defaultdict(float)  # service charged per tenant, unweighted
 
@@ -70,8 +73,8 @@ class FairShare:
         key = (priority, tenant)
         if self._active[key] == 0:
             floor = [self._total(k) for k, n in self._active.items() if n and k[0] == priority]
-            if floor:
-                self._counter[key] += max(0.0, min(floor) - self._total(key))
+            lift = max(min(floor, default=0.0), self._level.get(priority, 0.0))
+            self._counter[key] += max(0.0, lift - self._total(key))
         self._active[key] += 1
 
     def deactivate(self, priority: Priority, tenant: str) -> None:
@@ -79,6 +82,18 @@ class FairShare:
         self._active[key] -= 1
         if self._active[key] <= 0:
             del self._active[key]
+            if not any(k[0] == priority for k in self._active):
+                self._forget(priority)
+
+    def _forget(self, priority: Priority) -> None:
+        """The class went idle here: nobody waited, so nobody was wronged. Every tenant's counter
+        is brought level (to the highest), so service given while the others were away is not owed
+        back later (whoever comes back first must not find a debt the lift on return cannot see)."""
+        keys = [k for k in self._counter if k[0] == priority]
+        top = max((self._total(k) for k in keys), default=0.0)
+        for k in keys:
+            self._counter[k] += top - self._total(k)
+        self._level[priority] = top  # and a tenant never seen here yet starts level with them
 
     def charge(self, priority: Priority, tenant: str, weight: float, prefill: int, decode: int) -> None:
         """Charge ``tenant`` for ``prefill`` and ``decode`` tokens (negative counts refund them)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from common import Priority
-from loadtest.fairness import Fairness, Shapes, backlogged_run, pool_run
+from loadtest.fairness import Fairness, Shapes, backlogged_run, pool_run, service
 from loadtest.scheduler_sim import SchedulerSim
 from serving.pool_ledger import PoolLedger
 from worker.fair_share import FairShare, ServiceCosts
@@ -121,3 +121,22 @@ def test_a_tenant_pinned_to_one_replica_gets_its_share_of_the_pool() -> None:
     pooled, shares = pool_run(weights, shapes, {"b": 0}, ledger_every=20)
     assert alone_shares["b"] < 0.3 and alone.jain_mean < 0.85
     assert shares["b"] > 0.45 and pooled.jain_mean >= 0.99
+
+
+def test_service_given_while_a_tenant_was_alone_is_not_owed_back_after_an_idle_spell() -> None:
+    """Light runs alone, everything ends, then heavy comes back first and light after it: both
+    backlogged from there, they split the service 1:3 (light's earlier service, while nobody else
+    wanted any, is not a debt that starves it)."""
+    sim = SchedulerSim(max_num_seqs=16, max_num_batched_tokens=256, num_blocks=4096, block_size=16)
+    for _ in range(60):
+        sim.submit(64, 64, tenant="light", weight=1.0)
+    sim.run()
+    start = len(sim.served)
+    for _ in range(400):
+        sim.submit(64, 64, tenant="heavy", weight=3.0)
+    for _ in range(400):
+        sim.submit(64, 64, tenant="light", weight=1.0)
+    for _ in range(600):
+        sim.step()
+    got = {t: sum(service(s, t, 1.0, 2.0) for s in sim.served[start:]) for t in ("light", "heavy")}
+    assert 2.7 < got["heavy"] / got["light"] < 3.3, got
