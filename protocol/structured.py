@@ -64,6 +64,30 @@ _JSON_OPTIONS: JsonCompileOptions = {
 }
 
 
+# A bounded JSON number may take at most this many digits after the point. Without a cap a bound
+# can trap a model: under "maximum": 1, after "1." only zeros are allowed, and a model that wanted
+# another digit writes zeros until max_tokens (seen with SmolLM2 at temperature 0.8). Bounded
+# numbers have no exponent in llguidance's grammar, so the cap costs only precision below 1e-10.
+JSON_NUMBER_FRACTION_DIGITS = 10
+_BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_VALUES = frozenset({"const", "enum", "default", "examples"})  # JSON data, not subschemas
+
+
+def _cap_fraction_digits(node: Any) -> Any:
+    """``node`` with every bounded number subschema (one without ``multipleOf``) given
+    ``multipleOf: 1e-JSON_NUMBER_FRACTION_DIGITS``; the client's schema itself is left as it is."""
+    if isinstance(node, list):
+        return [_cap_fraction_digits(item) for item in node]
+    if not isinstance(node, dict):
+        return node
+    out = {k: v if k in _VALUES else _cap_fraction_digits(v) for k, v in node.items()}
+    kind = node.get("type")
+    is_number = kind == "number" or (isinstance(kind, list) and "number" in kind)
+    if is_number and "multipleOf" not in node and any(b in node for b in _BOUNDS):
+        out["multipleOf"] = float(f"1e-{JSON_NUMBER_FRACTION_DIGITS}")
+    return out
+
+
 def _limits() -> Any:
     from llguidance import LLParserLimits
 
@@ -116,7 +140,7 @@ def grammar_text(c: Constraint) -> str:
 
     if c.kind is ConstraintKind.JSON_SCHEMA:
         try:
-            schema = json.loads(c.spec)
+            schema = _cap_fraction_digits(json.loads(c.spec))
         except ValueError:
             raise ValueError("the schema is not valid JSON") from None
         except RecursionError:

@@ -47,14 +47,14 @@ def test_non_finite_logits_fail_only_their_own_request(
     calls = {"poisoned": 0}
 
     def faulty_sample(
-        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], masks: Any = None
+        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], *rest: Any
     ) -> list[Any]:
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.seed == POISON_SEED:
                 logits[i, 3] = float("nan")
                 calls["poisoned"] += 1
-        return real_sample(logits, params, rngs)
+        return real_sample(logits, params, rngs, *rest)
 
     monkeypatch.setattr(worker.model_runner, "sample", faulty_sample)
     victim = _req("victim", "hostile", max_tokens=24, temperature=0.7, seed=POISON_SEED)
@@ -199,10 +199,10 @@ def test_a_row_whose_sampling_raises_fails_alone(monkeypatch: pytest.MonkeyPatch
 
     real_one = worker.sampler._sample_one
 
-    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng, position: int) -> int:
         if params.seed == POISON_SEED:
             raise RuntimeError("invalid multinomial distribution (sum of probabilities <= 0)")
-        return real_one(logits, params, rng)
+        return real_one(logits, params, rng, position)
 
     monkeypatch.setattr(worker.sampler, "_sample_one", fragile)
     logits = torch.randn(3, 200)
@@ -223,10 +223,10 @@ def test_a_request_whose_sampling_raises_ends_alone_and_the_batch_goes_on(
 
     real_one = worker.sampler._sample_one
 
-    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng) -> int:
+    def fragile(logits: torch.Tensor, params: SamplingParams, rng: RequestRng, position: int) -> int:
         if params.seed == POISON_SEED:
             raise ValueError("no token to draw")
-        return real_one(logits, params, rng)
+        return real_one(logits, params, rng, position)
 
     others = [_req(f"o{i}", f"tenant {i} text", max_tokens=12, ignore_eos=True) for i in range(2)]
     alone = engine.run_to_completion(others)
@@ -267,13 +267,13 @@ def test_every_ended_request_counts_once_as_finished(
     engine = LLMEngine(EngineConfig(num_blocks=128, block_size=8, max_model_len=256, max_loras=1), tiny)
 
     def faulty_sample(
-        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], masks: Any = None
+        logits: torch.Tensor, params: list[SamplingParams], rngs: list[Any], *rest: Any
     ) -> list[Any]:
         logits = logits.clone()
         for i, p in enumerate(params):
             if p.seed == POISON_SEED:
                 logits[i, 3] = float("nan")
-        return real_sample(logits, params, rngs)
+        return real_sample(logits, params, rngs, *rest)
 
     monkeypatch.setattr(worker.model_runner, "sample", faulty_sample)
     rejected = GenerationRequest(

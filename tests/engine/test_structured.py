@@ -284,3 +284,37 @@ def test_mask_kernels_match_their_torch_references(rows: int) -> None:
     untouched = torch.ones(24, dtype=torch.bool)
     untouched[which] = False
     assert torch.equal(got[untouched], logits[untouched])  # unconstrained rows are not written
+
+
+def test_a_bounded_number_ends_after_its_tenth_fraction_digit() -> None:
+    """Under "maximum": 1 only zeros may follow "1."; without a cap on fraction digits a model that
+    wanted another digit writes zeros until max_tokens. The cap ends the number; the client's schema
+    (and a value inside const) is untouched, and an unbounded number keeps its exponent."""
+    from llguidance import LLMatcher
+
+    from protocol.model_files import load_tokenizer
+
+    tokenizer = load_tokenizer()
+    llt = structured.grammar_tokenizer(tokenizer)
+    bounded = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
+    schema = {
+        "type": "object",
+        "properties": {
+            "p": bounded,
+            "q": {"type": "number"},
+            "c": {"const": {"type": "number", "maximum": 1}},
+        },
+    }
+    spec = json.dumps(schema)
+
+    def parses(text: str) -> bool:
+        matcher = LLMatcher(llt, structured.grammar_text(Constraint(ConstraintKind.JSON_SCHEMA, spec)))
+        return bool(matcher.consume_tokens(tokenizer.encode(text))) and matcher.is_accepting()
+
+    zeros = "1." + "0" * structured.JSON_NUMBER_FRACTION_DIGITS
+    assert parses(f'{{"p": {zeros}}}') and parses('{"p": 0.25}')
+    assert not parses(f'{{"p": {zeros}0}}')
+    assert not parses('{"p": 0.' + "3" * (structured.JSON_NUMBER_FRACTION_DIGITS + 1) + "}")
+    assert parses('{"q": 6.02e23}') and parses('{"q": 0.' + "3" * 20 + "}")
+    assert parses('{"c": {"type": "number", "maximum": 1}}')
+    assert json.loads(spec) == schema
