@@ -62,7 +62,7 @@ def build_app(path: RequestPath, serving: Callable[[], bool]) -> FastAPI:
             neutral, bad = endpoint.to_request(body)
             deltas = path.generate(principal, neutral, decode_violations=bad, ticket=ticket)
             if body.stream:
-                return await stream_answer(deltas, endpoint, body, path.stall_watch)
+                return await stream_answer(deltas, endpoint, body, path.stall_watch, request)
             return await whole_answer(deltas, endpoint, body, request)
         finally:
             ticket.release()  # the path released it at admission, unless the request never got there

@@ -13,7 +13,7 @@ import json
 import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -26,6 +26,7 @@ from gateway.schema import Delta
 from gateway.stall_watch import StallWatch, StreamStalled
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 def sse(payload: dict[str, Any]) -> bytes:
@@ -33,10 +34,13 @@ def sse(payload: dict[str, Any]) -> bytes:
 
 
 async def stream_answer(
-    deltas: AsyncGenerator[Delta, None], endpoint: Endpoint, body: Any, watch: StallWatch
+    deltas: AsyncGenerator[Delta, None], endpoint: Endpoint, body: Any, watch: StallWatch, request: Request
 ) -> Response:
     try:
-        first = await anext(deltas)
+        # Until the first delta (admission, the queue, the prompt) nothing is written, so only the
+        # receive channel tells that the client left: a request queued for a client who is gone is
+        # aborted now, not when its first token finds the socket closed.
+        first = await unless_client_leaves(anext(deltas), request)
     except StopAsyncIteration:  # pragma: no cover - the path always yields a final delta
         raise GatewayError(ErrorKind.INTERNAL, "internal error") from None
     except BaseException:
@@ -126,9 +130,9 @@ class StallGuardedStream(StreamingResponse):
                 await aclose()
 
 
-async def unless_client_leaves(work: Awaitable[None], request: Request) -> None:
-    """Run ``work``; if the client disconnects first, cancel it (which aborts the engine request and
-    settles the lease) instead of computing an answer nobody will read."""
+async def unless_client_leaves(work: Awaitable[T], request: Request) -> T:
+    """``work``'s result; if the client disconnects first, ``work`` is cancelled (which aborts the
+    engine request and settles the lease) instead of computing an answer nobody will read."""
     task = asyncio.ensure_future(work)
 
     async def disconnected() -> None:
@@ -147,4 +151,4 @@ async def unless_client_leaves(work: Awaitable[None], request: Request) -> None:
         await asyncio.gather(task, watcher, return_exceptions=True)
     if task.cancelled():
         raise GatewayError(ErrorKind.CANCELLED, "the client went away")
-    task.result()
+    return task.result()

@@ -286,6 +286,50 @@ async def test_client_that_disconnects_frees_kv_and_lease(gateway: Gateway) -> N
     assert 5 <= received <= completion - 1 <= generated < 900
 
 
+async def test_a_stream_whose_client_leaves_while_queued_is_aborted_at_once(gateway: Gateway) -> None:
+    """Before its first token a streamed request writes nothing, so only the connection says that its
+    client left: the request leaves the engine's queue then, not when a slot frees and its first
+    token finds the socket closed (a benchmark's abandoned backlog was served for 15 s after its
+    clients left, at its tenant's share)."""
+    _, holder_key = await gateway.tenant()
+    victim, victim_key = await gateway.tenant()
+    handle = gateway.handles["tiny"]
+    slots = (await handle.stats.remote()).max_num_seqs
+    url = f"http://{gateway.server.http_address}/v1/completions"
+    body = {"model": TINY, "prompt": "hold", "max_tokens": 600, "temperature": 0, "stream": True}
+    holders_done: list[bool] = []
+
+    async def hold(http: httpx.AsyncClient) -> None:
+        headers = {"authorization": f"Bearer {holder_key}"}
+        async with http.stream("POST", url, json=body, headers=headers) as r:
+            async for _ in r.aiter_lines():
+                pass
+        holders_done.append(True)
+
+    async def queued(http: httpx.AsyncClient) -> None:
+        headers = {"authorization": f"Bearer {victim_key}"}
+        async with http.stream("POST", url, json={**body, "prompt": "wait"}, headers=headers) as r:
+            await r.aread()
+
+    async with httpx.AsyncClient(timeout=60) as http, httpx.AsyncClient(timeout=60) as other:
+        holders = [asyncio.create_task(hold(http)) for _ in range(slots)]
+        await eventually(lambda: _counts(handle, running=slots))
+        waiting = asyncio.create_task(queued(other))
+        await eventually(lambda: _counts(handle, running=slots, waiting=1))
+        waiting.cancel()  # the client closes its connection with no response yet
+        await asyncio.gather(waiting, return_exceptions=True)
+        await eventually(lambda: _counts(handle, running=slots, waiting=0))
+        assert not holders_done, "the queued request left only when a slot freed"
+        await asyncio.gather(*holders)
+    await eventually(lambda: engine_idle(handle))
+    assert (await _usage(gateway, victim.id))[2] == 0  # it never got a token
+
+
+async def _counts(handle: Any, *, running: int, waiting: int | None = None) -> bool:
+    s = await handle.stats.remote()
+    return s.num_running == running and (waiting is None or s.num_waiting == waiting)
+
+
 async def test_models_health_and_openapi(gateway: Gateway) -> None:
     _, key = await gateway.tenant(models=(TINY,))
     models = await gateway.openai(key).models.list()
