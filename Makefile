@@ -15,7 +15,7 @@ STAMP := $(VENV)/.loom-installed
 CPP_SOURCES := $(wildcard kernels/csrc/*.cpp kernels/csrc/*.h)
 KERNELS_STAMP := $(VENV)/.loom-kernels-built
 
-.PHONY: install run generate-local test test-fast lint fmt bench-engine peer-vllm clean
+.PHONY: install run generate-local test test-fast lint fmt bench-engine peer-vllm peer-guidellm clean
 
 install: $(STAMP) $(KERNELS_STAMP)
 
@@ -87,5 +87,21 @@ $(PEER_STAMP):
 	$(PEER_VENV)/bin/python -c "import torch, vllm; from vllm import LLM; print('peer venv: vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(PEER_STAMP)
 
+# An independent load client for the fairness runs (`loom bench guidellm`): guidellm in a venv of its
+# own (it pins its own transformers and datasets), one instance per tenant key.
+GUIDELLM_VENV ?= .venv-guidellm
+GUIDELLM_SPEC ?= guidellm==0.8.1
+GUIDELLM_STAMP := $(GUIDELLM_VENV)/.guidellm-installed
+
+peer-guidellm: $(GUIDELLM_STAMP)
+
+$(GUIDELLM_STAMP):
+	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet "$(PEER_TORCH_SPEC)"
+	$(GUIDELLM_VENV)/bin/python -m pip install --quiet "$(GUIDELLM_SPEC)"
+	$(GUIDELLM_VENV)/bin/guidellm --version
+	touch $(GUIDELLM_STAMP)
+
 clean:
-	rm -rf $(VENV) $(PEER_VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(PEER_VENV) $(GUIDELLM_VENV) .pytest_cache .ruff_cache

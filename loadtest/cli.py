@@ -14,6 +14,7 @@ def build_parser() -> argparse.ArgumentParser:
         bench_engine,
         bench_fairness,
         bench_gateway,
+        bench_guidellm,
         bench_isolation,
         bench_lora,
         bench_noisy,
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_fairness.register(bench_sub)  # loom bench fairness
     bench_noisy.register(bench_sub)  # loom bench noisy
     bench_slo.register(bench_sub)  # loom bench slo
+    bench_guidellm.register(bench_sub)  # loom bench guidellm
     bench_speculative.register(bench_sub)  # loom bench speculative
     loadtest_cli.register(sub)  # loom loadtest WORKLOAD.yaml
     soak.register(sub)  # loom soak

@@ -31,6 +31,7 @@ REPORTS = [
     ("bench_fairness", "to_markdown", "fairness"),
     ("bench_noisy", "to_markdown", "noisy"),
     ("bench_slo", "to_markdown", "slo"),
+    ("bench_guidellm", "to_markdown", "guidellm"),
     ("bench_speculative", "to_markdown", "speculative"),
     ("bench_isolation", "to_markdown", "isolation"),
     ("bench_admission", "markdown", "admission"),
@@ -72,7 +73,7 @@ def test_served_summary_renders_to_the_committed_markdown() -> None:
 def test_every_template_belongs_to_a_report() -> None:
     used = {"engine", "gateway", "lora", "isolation", "admission", "calibration", "soak", "fuzz"}
     used |= {"simulator", "served", "report", "stream-cost", "served-vs-vllm", "stream-cost-gateways"}
-    used |= {"structured", "fairness", "noisy", "slo", "speculative"}
+    used |= {"structured", "fairness", "noisy", "slo", "speculative", "guidellm"}
     assert {p.name.removesuffix(".md.j2") for p in markdown.TEMPLATES_DIR.glob("*.md.j2")} == used
 
 
