@@ -725,13 +725,15 @@ def _async(fn: Any) -> Any:
 
 
 async def _nodes(dash: Dashboard, n: int) -> bool:
-    with contextlib.suppress(httpx.HTTPError, KeyError):
+    # A state API still starting may answer 200 with a body that is not JSON yet (ValueError): not
+    # up, like a refused connection (seen once in CI on a loaded machine).
+    with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
         return len(await dash.alive_nodes()) == n
     return False
 
 
 async def _app_running(dash: Dashboard) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
+    with contextlib.suppress(httpx.HTTPError, ValueError):
         app = await dash.app()
         if app.get("status") == "DEPLOY_FAILED":
             raise RuntimeError(f"deploy failed: {app.get('message', '')[:2000]}")
@@ -740,14 +742,14 @@ async def _app_running(dash: Dashboard) -> bool:
 
 
 async def _node_dead(dash: Dashboard, node_id: str) -> bool:
-    with contextlib.suppress(httpx.HTTPError, KeyError):
+    with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
         return any(n["node_id"] == node_id and n["state"] == "DEAD" for n in await dash.nodes())
     return False
 
 
 async def _node_joined(dash: Dashboard, since_ms: float) -> bool:
     """An engine node started after ``since_ms`` (epoch) is alive."""
-    with contextlib.suppress(httpx.HTTPError, KeyError):
+    with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
         return any(
             n["start_time_ms"] >= since_ms - 1000 and "loom_engine" in n["resources_total"]
             for n in await dash.alive_nodes()
@@ -756,7 +758,7 @@ async def _node_joined(dash: Dashboard, since_ms: float) -> bool:
 
 
 async def _running_replicas(dash: Dashboard, n: int) -> bool:
-    with contextlib.suppress(httpx.HTTPError):
+    with contextlib.suppress(httpx.HTTPError, KeyError, ValueError):
         return sum(r["state"] == "RUNNING" for r in await dash.engine_replicas()) == n
     return False
 

@@ -34,7 +34,7 @@ from loadtest.soak_server import ServedLoom, replica_gauges
 from loadtest.workload import parse_workload
 
 RESULTS_DIR = Path(__file__).parent / "results"
-GUIDELLM = Path(os.environ.get("GUIDELLM_VENV", ".venv-guidellm")) / "bin" / "guidellm"
+GUIDELLM = Path(".venv-guidellm") / "bin" / "guidellm"  # make peer-guidellm
 MODEL = "smollm2-135m-instruct"
 TENANTS = {"light": 1.0, "heavy": 3.0}  # bench_served's TENANTS give them these weights
 RATE = 4.0  # requests/s per tenant: together more than the engine serves on a laptop-sized CPU
@@ -109,7 +109,7 @@ def _guidellm_tokens(report: Path) -> dict[str, float]:
 
 
 async def _run_guidellm(
-    served: ServedLoom, keys: dict[str, str], tokenizer: Path, seconds: float, work: Path
+    guidellm: Path, served: ServedLoom, keys: dict[str, str], tokenizer: Path, seconds: float, work: Path
 ) -> dict[str, Any]:
     before = generation_tokens(served.metrics_url)
     procs = []
@@ -125,7 +125,7 @@ async def _run_guidellm(
         log = (work / f"{tenant}.log").open("wb")
         procs.append(
             await asyncio.create_subprocess_exec(
-                str(GUIDELLM), "run", "--scenario", str(config), "--disable-console-interactive",
+                str(guidellm), "run", "--scenario", str(config), "--disable-console-interactive",
                 stdout=log, stderr=subprocess.STDOUT,
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"},
             )
@@ -219,9 +219,9 @@ def _shares(client: dict[str, dict[str, float]], server: dict[str, float]) -> di
     }
 
 
-async def _bench(seconds: float, out_dir: Path | None, console: Console) -> dict[str, Any]:
-    if not GUIDELLM.exists():
-        raise SystemExit(f"{GUIDELLM} not found: run `make peer-guidellm` first")
+async def _bench(guidellm: Path, seconds: float, out_dir: Path | None, console: Console) -> dict[str, Any]:
+    if not guidellm.exists():
+        raise SystemExit(f"{guidellm} not found: run `make peer-guidellm` first")
     work = Path(tempfile.mkdtemp(prefix="loom-guidellm-"))
     tokenizer = await asyncio.to_thread(export_tokenizer, work / "tokenizer")
     served = ServedLoom.create(replicas=1, engine_env={}, embedded=True)
@@ -231,7 +231,7 @@ async def _bench(seconds: float, out_dir: Path | None, console: Console) -> dict
         keys = await asyncio.to_thread(_create_tenants, served.redis_url)
         await asyncio.sleep(2.0)  # the gateway polls the store for new keys every second
         console.print(f"guidellm, one process per tenant, {seconds:g} s ...")
-        guide = await _run_guidellm(served, keys, tokenizer, seconds, work)
+        guide = await _run_guidellm(guidellm, served, keys, tokenizer, seconds, work)
         console.print(
             f"  heavy / light: {guide['client_ratio']:.2f} (client), {guide['server_ratio']:.2f} (server)"
         )
@@ -244,7 +244,7 @@ async def _bench(seconds: float, out_dir: Path | None, console: Console) -> dict
     finally:
         await served.stop()
         served.remove()
-    version = subprocess.run([str(GUIDELLM), "--version"], capture_output=True, text=True).stdout.strip()
+    version = subprocess.run([str(guidellm), "--version"], capture_output=True, text=True).stdout.strip()
     report = {
         "date": time.strftime("%Y-%m-%d"),
         "cpu": cpu_line(),
@@ -269,7 +269,7 @@ def to_markdown(report: dict[str, Any]) -> str:
 
 
 def _main(args: argparse.Namespace) -> int:
-    asyncio.run(_bench(args.seconds, args.out, Console()))
+    asyncio.run(_bench(args.guidellm, args.seconds, args.out, Console()))
     return 0
 
 
@@ -278,5 +278,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         "guidellm", help="fair share seen by guidellm (an independent client) beside loom loadtest"
     )
     p.add_argument("--seconds", type=float, default=60.0)
+    p.add_argument("--guidellm", type=Path, default=GUIDELLM, help="the guidellm executable")
     p.add_argument("--out", type=Path, default=RESULTS_DIR)
     p.set_defaults(func=_main)

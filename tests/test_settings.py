@@ -22,6 +22,7 @@ ENVIRON_ALLOWED = {
     "loadtest/bench_admission.py": "the benchmark's --redis-url default from REDIS_URL, as the tests",
     "loadtest/workload.py": "a workload file may name the variable that holds a tenant's key",
     "loadtest/soak_server.py": "the environment of the loom serve it starts: this one's plus its settings",
+    "loadtest/bench_guidellm.py": "the environment of each guidellm process: this one's, offline",
     "loadtest/peer_vllm.py": "the environment of the vLLM subprocess: this one's plus vLLM's CPU variables",
     "loadtest/aba_checkouts.py": "the environment of each checkout's run: this one's, its PYTHONPATH and "
     "torch extensions folder",
