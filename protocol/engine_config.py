@@ -66,6 +66,13 @@ class EngineConfig(BaseSettings):
     speculative_ngram_min: int = Field(
         2, ge=1, le=16, description="prompt lookup: the shortest suffix matched against earlier tokens"
     )
+    stream_interval: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="tokens a streamed delta waits for after a request's first (vLLM's "
+        "--stream-interval): 1 ships every step's token; more cut the host's work per token",
+    )
     max_loras: int = Field(4, ge=0, description="LoRA adapters resident at once (slots); 0 disables LoRA")
     max_lora_rank: int = Field(64, ge=1, le=64)
 

@@ -7,6 +7,10 @@ takes everything waiting at once, so one stream item carries many requests' delt
 steps' when the gateway reads slower than the engine steps (as vLLM v1's engine core batches its
 outputs to the front end), instead of one Ray object per request per step.
 
+With a stream interval above 1, a request's deltas after its first wait in the outbox until they
+hold that many tokens (or the request ends), merged into one: the gateway then wakes, encodes and
+writes once per interval instead of once per token, at the cost of a smoother stream.
+
 An outbox outlives a gap between two subscriptions (deltas wait in it), but not its subscriber:
 requests whose subscriber has had no stream open for ``ORPHAN_S`` are aborted, so a gateway that
 died cannot leave KV blocks held.
@@ -15,6 +19,7 @@ died cannot leave KV blocks held.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -30,9 +35,12 @@ ORPHAN_S = 30.0
 class Outbox:
     """One subscriber's deltas on this replica (an ``OutputSink`` for the engine)."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, stream_interval: int = 1) -> None:
         self.loop = loop
+        self.stream_interval = stream_interval
         self._owed: list[RequestOutput] = []
+        self._held: dict[str, RequestOutput] = {}  # a started request's tokens short of the interval
+        self._started: set[str] = set()  # requests whose first delta was shipped
         self._ready = asyncio.Event()
         self._live: dict[str, asyncio.Future[None]] = {}  # request id -> done when it has ended
         self._stream = 0  # the generation of the newest stream; an older one stops taking
@@ -42,14 +50,44 @@ class Outbox:
     # ---- the engine's side (OutputSink) --------------------------------------------------------
 
     def deliver(self, outputs: list[RequestOutput]) -> None:
-        self._owed.extend(outputs)
-        self._ready.set()
+        if self.stream_interval > 1:
+            outputs = self._coalesce(outputs)
+        if outputs:
+            self._owed.extend(outputs)
+            self._ready.set()
         for out in outputs:
             if out.finished:
                 self._end(out.request_id, None)
 
+    def _coalesce(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """The outputs due now: a request's first at once, later ones once they hold
+        ``stream_interval`` tokens or end; the rest are held, merged."""
+        due: list[RequestOutput] = []
+        for out in outputs:
+            rid = out.request_id
+            held = self._held.pop(rid, None)
+            if held is not None:
+                out = merged(held, out)
+            if rid in self._started and not out.finished and len(out.token_ids) < self.stream_interval:
+                self._held[rid] = out
+                continue
+            if out.finished:
+                self._started.discard(rid)
+            elif out.token_ids:  # the first token goes out at once: time to first token is kept
+                self._started.add(rid)
+            due.append(out)
+        return due
+
     def fail(self, request_id: str, error: BaseException) -> None:
+        held = self._forget(request_id)
+        if held is not None:  # what was made before the failure is still the client's
+            self._owed.append(held)
+            self._ready.set()
         self._end(request_id, error)
+
+    def _forget(self, request_id: str) -> RequestOutput | None:
+        self._started.discard(request_id)
+        return self._held.pop(request_id, None)
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -61,6 +99,7 @@ class Outbox:
 
     def untrack(self, request_id: str) -> None:
         self._live.pop(request_id, None)
+        self._forget(request_id)  # its caller is gone: what was held goes nowhere
 
     def _end(self, request_id: str, error: BaseException | None) -> None:
         done = self._live.pop(request_id, None)
@@ -77,7 +116,7 @@ class Outbox:
 
     @property
     def idle(self) -> bool:
-        return not self._live and not self._owed
+        return not self._live and not self._owed and not self._held
 
     # ---- the stream ----------------------------------------------------------------------------
 
@@ -116,14 +155,16 @@ class Outbox:
 class Outboxes:
     """This replica's outboxes by subscriber."""
 
-    def __init__(self, abort: Callable[[str], None]) -> None:
+    def __init__(self, abort: Callable[[str], None], stream_interval: int = 1) -> None:
         self._abort = abort
+        self._stream_interval = stream_interval
         self._by_subscriber: dict[str, Outbox] = {}
 
     def of(self, subscriber: str) -> Outbox:
         box = self._by_subscriber.get(subscriber)
         if box is None:
-            box = self._by_subscriber[subscriber] = Outbox(asyncio.get_running_loop())
+            box = Outbox(asyncio.get_running_loop(), self._stream_interval)
+            self._by_subscriber[subscriber] = box
         return box
 
     def sweep(self, now: float | None = None, orphan_s: float = ORPHAN_S) -> list[str]:
@@ -143,3 +184,18 @@ class Outboxes:
 
     def __len__(self) -> int:
         return len(self._by_subscriber)
+
+
+def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
+    """Two consecutive deltas of one request as one: tokens, text and log-probabilities joined, the
+    later one's end and counts."""
+    logprobs = None
+    if first.logprobs is not None or then.logprobs is not None:
+        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    return dataclasses.replace(
+        then,
+        text=first.text + then.text,
+        token_ids=[*first.token_ids, *then.token_ids],
+        cached_prompt_tokens=first.cached_prompt_tokens,
+        logprobs=logprobs,
+    )

@@ -65,7 +65,7 @@ class EngineReplica:
         self.engine: AsyncEngine = AsyncEngine.launch(lambda: LLMEngine(engine_config))
         self.info = self.engine.engine.model_info(pool)
         start_phases.report(deployment, replica, "ready")
-        self._outboxes = Outboxes(self.engine.abort)
+        self._outboxes = Outboxes(self.engine.abort, engine_config.stream_interval)
         self._sweeper: asyncio.Task[None] | None = None
         self._ledger_name = _ledger_name()
         log.info("engine replica ready: %s", self.info)

@@ -316,7 +316,9 @@ async def test_a_renewed_certificate_is_served_without_a_restart(
 def fragile(ray_serve: None, tiny_dir: Path) -> Any:
     from ray import serve
 
-    spec = PoolSpec(name="shared", engine=_tiny_engine(tiny_dir))
+    # Deltas of 3 tokens after the first (stream_interval): held tokens lost with the replica must be
+    # made again by the resumed request, and usage must count only what was shipped.
+    spec = PoolSpec(name="shared", engine=_tiny_engine(tiny_dir, stream_interval=3))
     handle = serve.run(engine_app(spec), name="engine-fragile", route_prefix=None)
     yield handle
     serve.delete("engine-fragile")
@@ -346,6 +348,8 @@ async def test_stream_survives_a_killed_worker(
                     os.kill((await fragile.model_info.remote()).pid, signal.SIGKILL)
         assert killed_after
         assert any("resuming" in rec.getMessage() for rec in caplog.records), "the stream was not resumed"
+        sizes = [len(c.token_ids) for c in chunks]
+        assert sizes[0] == 1 and max(sizes) == 3  # the first token at once, then groups of three
         ids = [t for c in chunks for t in c.token_ids]
         assert ids == want_ids  # greedy: the continuation is exactly the uninterrupted stream
         assert "".join(c.text for c in chunks) == want_text

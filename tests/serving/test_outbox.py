@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from protocol.requests import FinishReason, RequestOutput
+from protocol.requests import FinishReason, RequestOutput, TokenLogprob
 from serving.outbox import Outbox, Outboxes
 
 
@@ -80,3 +80,41 @@ async def test_requests_of_a_subscriber_gone_too_long_are_aborted_and_its_outbox
     assert boxes.sweep(now=gone.unsubscribed_since + 31, orphan_s=30) == ["g/1"]
     assert aborted == ["g/1"] and len(boxes) == 1  # the subscriber with a stream keeps its requests
     await stream.aclose()
+
+
+async def test_with_a_stream_interval_a_request_ships_its_first_token_at_once_then_in_merged_groups() -> None:
+    box = Outbox(asyncio.get_running_loop(), stream_interval=3)
+    a, _ = box.track("a"), box.track("b")
+    lp = TokenLogprob(0, -1.0)
+    step = [RequestOutput("a", "A0", [10], cached_prompt_tokens=5, logprobs=[lp]), _out("b", 20)]
+    box.deliver(step)
+    assert [(o.request_id, o.token_ids) for o in box._owed] == [("a", [10]), ("b", [20])]
+    box._owed.clear()
+    for i in (1, 2):
+        box.deliver([RequestOutput("a", f"A{i}", [10 + i], cached_prompt_tokens=5, logprobs=[lp])])
+        box.deliver([_out("b", 20 + i)])
+    assert box._owed == []  # two more tokens each: short of the interval, held
+    box.deliver([RequestOutput("a", "A3", [13], cached_prompt_tokens=5, logprobs=[lp])])
+    due = {o.request_id: o for o in box._owed}
+    assert due["a"].token_ids == [11, 12, 13] and due["a"].text == "A1A2A3"
+    assert due["a"].logprobs == [lp, lp, lp] and due["a"].cached_prompt_tokens == 5
+    box._owed.clear()
+    box.deliver([RequestOutput("a", "!", [14], FinishReason.STOP)])  # an end ships what is held at once
+    assert [(o.token_ids, o.finish_reason) for o in box._owed] == [([14], FinishReason.STOP)]
+    assert a.done()
+    box._owed.clear()
+    box.fail("b", RuntimeError("engine died"))  # what b made before failing still goes out
+    assert [o.token_ids for o in box._owed] == [[21, 22]]
+    box._owed.clear()
+    assert box.idle
+
+
+async def test_a_request_given_up_leaves_nothing_held() -> None:
+    box = Outbox(asyncio.get_running_loop(), stream_interval=4)
+    box.track("a")
+    box.deliver([_out("a", 1)])
+    box.deliver([_out("a", 2)])
+    box._owed.clear()
+    assert not box.idle  # a held token keeps the stream: it is owed once the interval fills
+    box.untrack("a")
+    assert box.idle and not box._held and not box._started
