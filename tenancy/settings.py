@@ -57,7 +57,12 @@ class TenancySettings(BaseSettings):
         description="Timeouts in a row before admission degrades to failure_mode (a refused connection "
         "degrades at once); a timeout before that refuses its own request as retryable.",
     )
-    redis_max_connections: int = Field(default=128, ge=1)
+    redis_max_connections: int = Field(
+        default=128,
+        ge=1,
+        description="Admission's Redis connections per gateway process, all opened at start, so a "
+        "burst of requests does not open them in its requests' path.",
+    )
     redis_probe_interval_s: float = Field(
         default=1.0, gt=0, description="While Redis is down, how often to try it again."
     )

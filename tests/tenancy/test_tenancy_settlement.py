@@ -392,3 +392,25 @@ async def test_fail_static_admission_that_lapses_is_replayed_into_redis(redis_se
         assert (usage.requests, usage.prompt_tokens, usage.completion_tokens, usage.expired) == (1, 8, 6, 1)
     finally:
         await enforcer.close()
+
+
+async def test_admission_opens_its_redis_connections_at_start_not_in_a_burst(enforcer_factory):
+    """A cold gateway's first burst would otherwise connect and handshake in its requests' path."""
+    enforcer = enforcer_factory("redis", redis_max_connections=8)
+    pool = enforcer._client.connection_pool
+
+    def opened() -> int:
+        conns = [*pool._available_connections, *pool._get_in_use_connections()]
+        return sum(c.is_connected for c in conns)
+
+    assert opened() == 0
+    await enforcer.start()
+    await eventually(lambda: opened() == 8)
+    made = pool.make_connection
+    calls = []
+    pool.make_connection = lambda: calls.append(1) or made()
+    tenant = make_tenant()
+    burst = await asyncio.gather(*(enforcer.admit(tenant, rid(), 4, 4) for _ in range(24)))
+    assert all(a.granted for a in burst)
+    await asyncio.gather(*(enforcer.finish(tenant, a.request_id, 1) for a in burst))
+    assert calls == [] and opened() == 8
