@@ -39,7 +39,8 @@ class Outbox:
         self.loop = loop
         self.stream_interval = stream_interval
         self._owed: list[RequestOutput] = []
-        self._held: dict[str, RequestOutput] = {}  # a started request's tokens short of the interval
+        # A started request's outputs short of the interval, and their tokens (merged when shipped).
+        self._held: dict[str, tuple[list[RequestOutput], int]] = {}
         self._started: set[str] = set()  # requests whose first delta was shipped
         self._ready = asyncio.Event()
         self._live: dict[str, asyncio.Future[None]] = {}  # request id -> done when it has ended
@@ -65,12 +66,17 @@ class Outbox:
         due: list[RequestOutput] = []
         for out in outputs:
             rid = out.request_id
-            held = self._held.pop(rid, None)
-            if held is not None:
-                out = merged(held, out)
-            if rid in self._started and not out.finished and len(out.token_ids) < self.stream_interval:
-                self._held[rid] = out
-                continue
+            if rid in self._started and not out.finished:
+                parts, tokens = self._held.get(rid) or ([], 0)
+                parts.append(out)
+                tokens += len(out.token_ids)
+                if tokens < self.stream_interval:
+                    self._held[rid] = (parts, tokens)
+                    continue
+                self._held.pop(rid, None)
+                out = merged(parts)
+            elif rid in self._held:
+                out = merged([*self._held.pop(rid)[0], out])
             if out.finished:
                 self._started.discard(rid)
             elif out.token_ids:  # the first token goes out at once: time to first token is kept
@@ -87,7 +93,8 @@ class Outbox:
 
     def _forget(self, request_id: str) -> RequestOutput | None:
         self._started.discard(request_id)
-        return self._held.pop(request_id, None)
+        held = self._held.pop(request_id, None)
+        return merged(held[0]) if held is not None else None
 
     # ---- requests ------------------------------------------------------------------------------
 
@@ -186,16 +193,19 @@ class Outboxes:
         return len(self._by_subscriber)
 
 
-def merged(first: RequestOutput, then: RequestOutput) -> RequestOutput:
-    """Two consecutive deltas of one request as one: tokens, text and log-probabilities joined, the
-    later one's end and counts."""
+def merged(parts: list[RequestOutput]) -> RequestOutput:
+    """Consecutive deltas of one request as one: tokens, text and log-probabilities joined, the last
+    one's end and counts, the first one's cached prompt tokens."""
+    first, last = parts[0], parts[-1]
+    if len(parts) == 1:
+        return first
     logprobs = None
-    if first.logprobs is not None or then.logprobs is not None:
-        logprobs = [*(first.logprobs or []), *(then.logprobs or [])]
+    if any(p.logprobs is not None for p in parts):
+        logprobs = [lp for p in parts for lp in (p.logprobs or [])]
     return dataclasses.replace(
-        then,
-        text=first.text + then.text,
-        token_ids=[*first.token_ids, *then.token_ids],
+        last,
+        text="".join(p.text for p in parts),
+        token_ids=[t for p in parts for t in p.token_ids],
         cached_prompt_tokens=first.cached_prompt_tokens,
         logprobs=logprobs,
     )

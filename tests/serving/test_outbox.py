@@ -107,6 +107,10 @@ async def test_with_a_stream_interval_a_request_ships_its_first_token_at_once_th
     assert [o.token_ids for o in box._owed] == [[21, 22]]
     box._owed.clear()
     assert box.idle
+    box.track("c")
+    box.deliver([_out("c", 1)])
+    box.deliver([RequestOutput("c", "xyz", [2, 3, 4])])  # a step that verified 3 proposals: due at once
+    assert [o.token_ids for o in box._owed] == [[1], [2, 3, 4]]
 
 
 async def test_a_request_given_up_leaves_nothing_held() -> None:
