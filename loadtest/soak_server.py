@@ -176,6 +176,15 @@ def loop_lag_buckets(metrics_url: str) -> dict[float, float]:
     }
 
 
+def by_tenant(metrics_url: str, name: str) -> dict[str, float]:
+    """A per-tenant counter or gauge of the gateway's endpoint: tenant -> value."""
+    return {
+        labels["tenant"]: value
+        for n, labels, value in _samples(metrics_url)
+        if n == name and "tenant" in labels
+    }
+
+
 def _samples(metrics_url: str) -> Iterator[tuple[str, dict[str, str], float]]:
     """Each labelled sample of a Prometheus endpoint: (name, labels, value)."""
     with urllib.request.urlopen(metrics_url, timeout=10) as response:

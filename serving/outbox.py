@@ -86,15 +86,16 @@ class Outbox:
 
     def fail(self, request_id: str, error: BaseException) -> None:
         held = self._forget(request_id)
-        if held is not None:  # what was made before the failure is still the client's
-            self._owed.append(held)
+        if held:  # what was made before the failure is still the client's
+            self._owed.append(merged(held))
             self._ready.set()
         self._end(request_id, error)
 
-    def _forget(self, request_id: str) -> RequestOutput | None:
+    def _forget(self, request_id: str) -> list[RequestOutput]:
+        """Stop holding the request's outputs; those held so far."""
         self._started.discard(request_id)
         held = self._held.pop(request_id, None)
-        return merged(held[0]) if held is not None else None
+        return held[0] if held is not None else []
 
     # ---- requests ------------------------------------------------------------------------------
 

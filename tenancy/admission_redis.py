@@ -319,11 +319,13 @@ class RedisAdmission:
         if not self._owns_client:  # a caller's client (tests): its pool is the caller's to size
             return
         size = self._client.connection_pool.max_connections
-        results: list[Any] = [TimeoutError()] * size
-        with contextlib.suppress(TimeoutError):
+        try:
             async with asyncio.timeout(self._deadline_s * 2):
                 pings = (self._client.ping() for _ in range(size))
                 results = await asyncio.gather(*pings, return_exceptions=True)
+        except TimeoutError:
+            log.warning("Redis did not open admission's %d connections at start in time", size)
+            return
         failed = sum(isinstance(r, BaseException) for r in results)
         if failed:
             log.warning("%d of %d Redis connections for admission could not be opened at start", failed, size)
