@@ -1,8 +1,9 @@
 """A gateway process's delta streams: one per engine replica, carrying all its requests there.
 
-A request goes to a replica as one call (``EngineReplica.generate``, routed by Loom's router); its
-deltas come back on this process's stream from that replica (``EngineReplica.deltas``, pinned to it),
-which carries every request of this process on that replica, many per item. So a streamed token
+A request goes to a replica in a call (``EngineReplica.generate``, routed by Loom's router; several
+requests per call in a burst: serving/dispatch.py); its deltas, or the error that failed it there,
+come back on this process's stream from that replica (``EngineReplica.deltas``, pinned to it), which
+carries every request of this process on that replica, many per item. So a streamed token
 costs the gateway a share of one Ray item per engine step instead of a Ray item of its own.
 
 The router says which replica accepted a request (``ReplicaStatsRegistry.routed``); the first
@@ -23,12 +24,14 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
 from ray.serve.handle import DeploymentHandle, DeploymentResponseGenerator
 
 from protocol.requests import RequestOutput
+from serving.outbox import RequestFailed
 from serving.pinning import Pinned, ReplicaGoneError
 from serving.replica_stats import ReplicaStatsRegistry
 
@@ -79,6 +82,7 @@ class DeltaStreams:
         self._abandoned: OrderedDict[str, None] = OrderedDict()  # given up before routed: abort there
         self._aborts: set[asyncio.Task[None]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.on_routed: Callable[[str], None] | None = None  # told of each of our requests placed
         registry.listen_routed(deployment, self._routed_threadsafe)
 
     def open(self, request_id: str) -> asyncio.Queue[Item]:
@@ -127,6 +131,8 @@ class DeltaStreams:
             loop.call_soon_threadsafe(self._routed, request_id, replica_id)
 
     def _routed(self, request_id: str, replica_id: str) -> None:
+        if self.on_routed is not None:
+            self.on_routed(request_id)
         if request_id in self._abandoned:
             del self._abandoned[request_id]
             self._abort(replica_id, request_id)
@@ -183,7 +189,7 @@ class DeltaStreams:
     async def _read(self, replica_id: str, follower: _Follower) -> None:
         # A handle with stream=True answers a generator (its type cannot say so).
         stream = cast(
-            DeploymentResponseGenerator[list[RequestOutput]],
+            DeploymentResponseGenerator[list[RequestOutput | RequestFailed]],
             self._handle.deltas.remote(Pinned(replica_id, self.subscriber)),
         )
         ended = False
@@ -194,7 +200,7 @@ class DeltaStreams:
                 for out in batch:
                     queue = queues.get(out.request_id)
                     if queue is not None:
-                        queue.put_nowait(out)
+                        queue.put_nowait(out if isinstance(out, RequestOutput) else out.error)
             ended = True
         finally:
             follower.opened = False

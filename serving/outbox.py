@@ -22,6 +22,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from protocol.requests import RequestOutput
 
@@ -32,13 +33,23 @@ LINGER_S = 2.0
 ORPHAN_S = 30.0
 
 
+@dataclass(frozen=True)
+class RequestFailed:
+    """On the stream in place of a delta: the request ended with this error on the replica (refused
+    by the engine, or the engine died). It travels with the deltas, not as the call's error, because
+    a call carries several requests (serving/dispatch.py) and each fails alone."""
+
+    request_id: str
+    error: BaseException
+
+
 class Outbox:
     """One subscriber's deltas on this replica (an ``OutputSink`` for the engine)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, stream_interval: int = 1) -> None:
         self.loop = loop
         self.stream_interval = stream_interval
-        self._owed: list[RequestOutput] = []
+        self._owed: list[RequestOutput | RequestFailed] = []
         # A started request's outputs short of the interval, and their tokens (merged when shipped).
         self._held: dict[str, tuple[list[RequestOutput], int]] = {}
         self._started: set[str] = set()  # requests whose first delta was shipped
@@ -58,7 +69,7 @@ class Outbox:
             self._ready.set()
         for out in outputs:
             if out.finished:
-                self._end(out.request_id, None)
+                self._end(out.request_id)
 
     def _coalesce(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """The outputs due now: a request's first at once, later ones once they hold
@@ -88,8 +99,9 @@ class Outbox:
         held = self._forget(request_id)
         if held:  # what was made before the failure is still the client's
             self._owed.append(merged(held))
-            self._ready.set()
-        self._end(request_id, error)
+        self._owed.append(RequestFailed(request_id, error))
+        self._ready.set()
+        self._end(request_id)
 
     def _forget(self, request_id: str) -> list[RequestOutput]:
         """Stop holding the request's outputs; those held so far."""
@@ -100,7 +112,7 @@ class Outbox:
     # ---- requests ------------------------------------------------------------------------------
 
     def track(self, request_id: str) -> asyncio.Future[None]:
-        """A future done when the request ends: its final output is owed, or it failed."""
+        """A future done when the request ends: its final output, or its failure, is owed."""
         done: asyncio.Future[None] = self.loop.create_future()
         self._live[request_id] = done
         return done
@@ -109,14 +121,10 @@ class Outbox:
         self._live.pop(request_id, None)
         self._forget(request_id)  # its caller is gone: what was held goes nowhere
 
-    def _end(self, request_id: str, error: BaseException | None) -> None:
+    def _end(self, request_id: str) -> None:
         done = self._live.pop(request_id, None)
-        if done is None or done.done():
-            return
-        if error is None:
+        if done is not None and not done.done():
             done.set_result(None)
-        else:
-            done.set_exception(error)
 
     @property
     def live(self) -> list[str]:
@@ -128,7 +136,7 @@ class Outbox:
 
     # ---- the stream ----------------------------------------------------------------------------
 
-    async def stream(self, linger_s: float = LINGER_S) -> AsyncIterator[list[RequestOutput]]:
+    async def stream(self, linger_s: float = LINGER_S) -> AsyncIterator[list[RequestOutput | RequestFailed]]:
         """Batches of owed deltas until nothing is owed or live for ``linger_s``. A newer stream of
         the same subscriber supersedes this one (two readers would reorder a request's deltas)."""
         self._stream += 1

@@ -1,9 +1,9 @@
 """The engine pools the gateway dispatches into (the ``gateway.engine_pool.EnginePool`` seam).
 
 ``ServeEnginePool`` dispatches into a Ray Serve deployment of engine replicas through a
-``DeploymentHandle`` (the production path; Loom's request router picks the replica), one call per
-request, whose deltas come back in bulk on this process's stream from that replica
-(serving/delta_streams.py).
+``DeploymentHandle`` (the production path; Loom's request router picks the replica), a call per
+request or per burst of requests (serving/dispatch.py), whose deltas come back in bulk on this
+process's stream from that replica (serving/delta_streams.py).
 ``LocalEnginePool`` runs an engine in the gateway's own process (single-process tools and benchmarks).
 Both stream ``RequestOutput`` deltas and stop the request in the engine when the caller goes away.
 """
@@ -13,19 +13,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 
 import ray.exceptions
 from ray.serve.exceptions import DeploymentUnavailableError, ReplicaUnavailableError
-from ray.serve.handle import DeploymentHandle, DeploymentResponse
+from ray.serve.handle import DeploymentHandle
 
 from gateway.engine_pool import WorkerLostError
 from protocol.model_info import ModelInfo
 from protocol.requests import EngineDeadError, FinishReason, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving.delta_streams import CALL_ENDED, DeltaStreams, Item
+from serving.dispatch import Dispatcher
 from serving.pinning import ReplicaGoneError
 from serving.replica_stats import ReplicaStatsRegistry
 from tenancy.models import SHARED_POOL
@@ -91,6 +93,8 @@ class ServeEnginePool:
         self.deployment = f"{handle.app_name}/{handle.deployment_name}"
         self._handle = handle
         self._deltas = DeltaStreams(handle, self.deployment, stats)
+        self._dispatch = Dispatcher(handle, self._deltas.subscriber)
+        self._deltas.on_routed = self._dispatch.routed
 
     async def describe(self) -> ModelInfo:
         info: ModelInfo = await self._handle.model_info.remote()
@@ -102,10 +106,8 @@ class ServeEnginePool:
         while True:
             queue = self._deltas.open(current.request_id)
             # A call that returns once the request has ended (Serve counts it ongoing meanwhile).
-            response = cast(
-                DeploymentResponse[None], self._handle.generate.remote(current, self._deltas.subscriber)
-            )
-            watcher = asyncio.ensure_future(_watch(response, queue))
+            outcome = self._dispatch.submit(current)
+            outcome.add_done_callback(functools.partial(_call_ended, queue))
             delivered = False
             finished = False
             retry = False
@@ -149,8 +151,7 @@ class ServeEnginePool:
                 # not reach the replica while its call waits without yielding).
                 self._deltas.release(current.request_id, abort=not finished)
                 if not finished:
-                    response.cancel()  # type: ignore[no-untyped-call]
-                watcher.cancel()
+                    self._dispatch.give_up(current.request_id)
             attempt = losses + errors
             current = dataclasses.replace(
                 request, request_id=f"{request.request_id}#retry{attempt}", retry_of=current.request_id
@@ -161,19 +162,16 @@ class ServeEnginePool:
 
     async def close(self) -> None:
         """Close the delta streams while Ray is up (a stream read after Ray's shutdown ends the process)."""
+        await self._dispatch.close()
         await self._deltas.close()
 
 
-async def _watch(response: DeploymentResponse[None], queue: asyncio.Queue[Item]) -> None:
+def _call_ended(queue: asyncio.Queue[Item], outcome: asyncio.Future[None]) -> None:
     """How the request's call ended, into its queue: an error (refused, replica lost) or done."""
-    try:
-        await response
-    except asyncio.CancelledError:
-        raise
-    except BaseException as exc:  # handed to the request's reader, which decides
-        queue.put_nowait(exc)
-    else:
-        queue.put_nowait(CALL_ENDED)
+    if outcome.cancelled():  # given up: nobody reads the queue any more
+        return
+    error = outcome.exception()
+    queue.put_nowait(CALL_ENDED if error is None else error)
 
 
 async def _final(queue: asyncio.Queue[Item]) -> Item:

@@ -1,8 +1,9 @@
 """The engine as a Ray Serve deployment: each replica owns a device, the model, the KV cache and the
 engine loop.
 
-A request is one call, ``generate(request, subscriber)``, open while the request runs (so Serve
-counts it as ongoing: routing, autoscaling and draining see the real load); its deltas travel in
+Requests come in calls, ``generate(requests, subscriber)`` (one request, or a gateway's burst:
+serving/dispatch.py), open while they run (so Serve counts them ongoing: routing and draining see
+the load; the autoscaler reads the requests themselves); their deltas travel in
 bulk on the subscriber's stream, ``deltas``, which carries every request of that gateway process on
 this replica (serving/outbox.py). A caller that cancels the call (client gone, deadline passed)
 aborts the request in the engine, so its KV blocks are freed at the next step.
@@ -17,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from ray import serve
 from ray.serve import Deployment
-from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.config import AutoscalingConfig, AutoscalingPolicy, RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 
 from protocol.engine_config import EngineConfig
@@ -25,6 +26,7 @@ from protocol.model_info import ModelInfo
 from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving import start_phases
+from serving.autoscaling import ENGINE_REQUESTS_METRIC, POLICY
 from serving.outbox import Outboxes
 from serving.pinning import Pinned, ReplicaGoneError
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
@@ -67,34 +69,40 @@ class EngineReplica:
         start_phases.report(deployment, replica, "ready")
         self._outboxes = Outboxes(self.engine.abort, engine_config.stream_interval)
         self._sweeper: asyncio.Task[None] | None = None
+        self._live_requests = 0  # in calls still open (a call carries one request or several)
         self._ledger_name = _ledger_name()
         log.info("engine replica ready: %s", self.info)
 
-    async def generate(self, request: GenerationRequest, subscriber: str) -> None:
-        """Run ``request`` until it ends; its deltas go to ``subscriber``'s stream (``deltas``).
+    async def generate(self, requests: list[GenerationRequest], subscriber: str) -> None:
+        """Run ``requests`` (one gateway's, sent together) until each has ended; their deltas go to
+        ``subscriber``'s stream (``deltas``), and so does the error of one the engine refuses or
+        fails (``RequestFailed``): the others of the call run on.
 
-        A call that returns nothing once the request has ended (Serve counts it ongoing meanwhile;
-        a unary call costs Ray less than a stream of no items); a caller that gives up calls
-        ``abort`` (pinned to this replica). Raises InvalidRequestError at once if the engine cannot
-        serve it, EngineDeadError if the engine died under it.
+        A call that returns nothing once its requests have ended (Serve counts it ongoing meanwhile;
+        a unary call costs Ray less than a stream of no items); a caller that gives one up calls
+        ``abort`` (pinned to this replica), and cancels the call once it has given up all of them.
         """
         box = self._outboxes.of(subscriber)
-        done = box.track(request.request_id)
-        try:
-            self.engine.submit(request, box)
-        except BaseException:
-            box.untrack(request.request_id)
-            raise
+        ends = []
+        for request in requests:
+            ends.append(box.track(request.request_id))
+            try:
+                self.engine.submit(request, box)
+            except Exception as exc:  # InvalidRequestError, EngineDeadError: this request's alone
+                box.fail(request.request_id, exc)
+        self._live_requests += len(requests)
         if self._sweeper is None:
             self._sweeper = asyncio.create_task(self._sweep())
             if self._ledger_name is not None:
                 self._ledger_task = asyncio.create_task(self._share_service(self._ledger_name))
         try:
-            await done
+            await asyncio.gather(*ends)
         finally:
-            if not done.done():  # cancelled: the caller went away
-                box.untrack(request.request_id)
-                self.engine.abort(request.request_id)
+            self._live_requests -= len(requests)
+            for request, end in zip(requests, ends, strict=True):
+                if not end.done():  # cancelled: the caller went away
+                    box.untrack(request.request_id)
+                    self.engine.abort(request.request_id)
 
     async def deltas(self, pinned: Pinned) -> AsyncIterator[list[RequestOutput]]:
         """The subscriber's stream on this replica: an empty batch once open, then every delta owed
@@ -144,6 +152,11 @@ class EngineReplica:
     def _check_pin(self, pinned: Pinned) -> None:
         if pinned.replica_id != self.replica_id:
             raise ReplicaGoneError(f"replica {pinned.replica_id} is gone (this is {self.replica_id})")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """The requests this replica runs, for the autoscaler (serving/autoscaling.py): Serve's own
+        count is of calls, and a call carries several requests in a burst."""
+        return {ENGINE_REQUESTS_METRIC: float(self._live_requests)}
 
     def record_routing_stats(self) -> dict[str, Any]:
         """Published to the request router (Serve's channel carries plain dicts)."""
@@ -228,6 +241,7 @@ def engine_deployment(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
             target_ongoing_requests=target_ongoing_requests,
+            policy=AutoscalingPolicy(policy_function=POLICY),
         )
     else:
         options["num_replicas"] = num_replicas

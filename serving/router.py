@@ -104,13 +104,16 @@ def _pinned_of(pending: PendingRequest | None) -> Pinned | None:
     return next((a for a in (*pending.args, *pending.kwargs.values()) if isinstance(a, Pinned)), None)
 
 
-def _request_of(pending: PendingRequest | None) -> GenerationRequest | None:
+def _requests_of(pending: PendingRequest | None) -> list[GenerationRequest]:
+    """The requests a call carries (``EngineReplica.generate`` takes a list: serving/dispatch.py)."""
     if pending is None:
-        return None
+        return []
     for arg in (*pending.args, *pending.kwargs.values()):
         if isinstance(arg, GenerationRequest):
+            return [arg]
+        if isinstance(arg, list) and arg and isinstance(arg[0], GenerationRequest):
             return arg
-    return None
+    return []
 
 
 class LoomRequestRouter(RequestRouter):
@@ -156,8 +159,11 @@ class LoomRequestRouter(RequestRouter):
         pinned = _pinned_of(pending_request)
         if pinned is not None:
             return pinned_choice(pinned, by_id)
-        request = _request_of(pending_request)
-        priority = request.priority if request is not None else Priority.STANDARD
+        # A call of several requests is placed as one: at its most urgent class, by its first
+        # request's prefix and adapter (a retry always goes alone, so ``avoid`` is its own).
+        requests = _requests_of(pending_request)
+        request = requests[0] if requests else None
+        priority = min((r.priority for r in requests), default=Priority.STANDARD)
         scored = [
             Candidate(rid, load_score(self._stats.get(rid), priority, self._sent[rid]))
             for rid, r in by_id.items()
@@ -170,16 +176,15 @@ class LoomRequestRouter(RequestRouter):
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         rid = replica_id.unique_id
-        request = _request_of(pending_request)
-        if request is None:  # a pinned call (a delta stream, an abort) is no load
-            return
-        self._sent[rid] += 1
-        self._registry.routed(self._deployment_key(), request.request_id, rid)
-        self._served_by[request.request_id] = rid
+        # A pinned call (a delta stream, an abort) carries no request and is no load.
+        for request in _requests_of(pending_request):
+            self._sent[rid] += 1
+            self._registry.routed(self._deployment_key(), request.request_id, rid)
+            self._served_by[request.request_id] = rid
+            key = affinity_key(request)
+            self._affinity[key] = rid
+            self._affinity.move_to_end(key)
         while len(self._served_by) > MAX_REMEMBERED_REQUESTS:
             self._served_by.popitem(last=False)
-        key = affinity_key(request)
-        self._affinity[key] = rid
-        self._affinity.move_to_end(key)
         while len(self._affinity) > MAX_AFFINITY_ENTRIES:
             self._affinity.popitem(last=False)

@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 import pytest
 
 from protocol.requests import FinishReason, RequestOutput, TokenLogprob
-from serving.outbox import Outbox, Outboxes
+from serving.outbox import Outbox, Outboxes, RequestFailed
 
 
 def _out(rid: str, token: int, done: bool = False) -> RequestOutput:
@@ -30,9 +30,10 @@ async def test_what_waits_is_taken_in_one_item_and_a_request_ends_with_its_final
     batch = await _next(stream)
     assert [(o.request_id, o.token_ids) for o in batch] == [("a", [1]), ("b", [2]), ("a", [3])]
     assert a.done() and not b.done() and box.live == ["b"]
-    box.fail("b", RuntimeError("refused"))
-    with pytest.raises(RuntimeError, match="refused"):
-        await b
+    error = RuntimeError("refused")
+    box.fail("b", error)  # its error travels on the stream, in its place among the deltas
+    assert b.done() and b.result() is None and box.live == []
+    assert await _next(stream) == [RequestFailed("b", error)]
     await stream.aclose()
 
 
@@ -103,8 +104,9 @@ async def test_with_a_stream_interval_a_request_ships_its_first_token_at_once_th
     assert [(o.token_ids, o.finish_reason) for o in box._owed] == [([14], FinishReason.STOP)]
     assert a.done()
     box._owed.clear()
-    box.fail("b", RuntimeError("engine died"))  # what b made before failing still goes out
-    assert [o.token_ids for o in box._owed] == [[21, 22]]
+    died = RuntimeError("engine died")
+    box.fail("b", died)  # what b made before failing still goes out, then its error
+    assert [o.token_ids for o in box._owed[:1]] == [[21, 22]] and box._owed[1:] == [RequestFailed("b", died)]
     box._owed.clear()
     assert box.idle
     box.track("c")

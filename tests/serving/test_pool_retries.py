@@ -63,7 +63,8 @@ class _Handle:
     def options(self, **_: Any) -> _Handle:
         return self
 
-    def _generate(self, request: GenerationRequest, subscriber: str) -> _Call:
+    def _generate(self, requests: list[GenerationRequest], subscriber: str) -> _Call:
+        (request,) = requests  # one at a time here: each call plays one attempt
         self.requests.append(request)
         return _Call(self._play(request, self.attempts.pop(0)))
 

@@ -120,3 +120,40 @@ def test_a_pin_is_recognised_by_the_router_serve_ships_by_value() -> None:
     pin = Pinned("r2", "gateway")
     pinned_of = shipped.choose_replicas.__globals__["_pinned_of"]
     assert pinned_of(SimpleNamespace(args=[pin], kwargs={})) is pin
+
+
+def test_a_call_of_several_requests_is_placed_as_one_and_each_is_reported_routed() -> None:
+    from serving.replica_stats import process_registry
+    from serving.router import _requests_of
+
+    a = GenerationRequest("t/a", [1, 2, 3], priority=Priority.BATCH)
+    b = replace(a, request_id="t/b", prompt_token_ids=[4, 5], priority=Priority.INTERACTIVE)
+    call = SimpleNamespace(args=[[a, b], "gateway"], kwargs={})
+    assert _requests_of(call) == [a, b]
+    assert _requests_of(SimpleNamespace(args=[Pinned("r1", "gw")], kwargs={})) == []
+
+    router = LoomRequestRouter.__new__(LoomRequestRouter)
+    router.initialize_state()
+    router._deployment_id = SimpleNamespace(app_name="app", name="batch-test")
+    heard: list[tuple[str, str]] = []
+    process_registry().listen_routed("app/batch-test", lambda rid, replica: heard.append((rid, replica)))
+    router.on_request_routed(call, SimpleNamespace(unique_id="r1"), None)
+    assert heard == [("t/a", "r1"), ("t/b", "r1")]
+    assert router._sent["r1"] == 2  # two requests of load until the next stats, not one call
+    assert router._affinity[affinity_key(b)] == "r1"
+
+
+def test_the_autoscaler_counts_the_requests_replicas_run_not_calls() -> None:
+    from serving.autoscaling import ENGINE_REQUESTS_METRIC, engine_requests_policy
+
+    config = SimpleNamespace(get_target_ongoing_requests=lambda: 64.0)
+    ctx = SimpleNamespace(
+        current_num_replicas=2,
+        target_num_replicas=2,
+        total_num_requests=3.0,  # Serve's count: three calls
+        aggregated_metrics={ENGINE_REQUESTS_METRIC: {"r1": 150.0, "r2": 106.0}},
+        config=config,
+    )
+    assert engine_requests_policy(ctx) == (4.0, {})
+    ctx.aggregated_metrics = {}  # no replica has reported yet: Serve's own count
+    assert engine_requests_policy(ctx) == (3.0 / 64.0, {})
