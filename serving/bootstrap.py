@@ -25,6 +25,7 @@ from gateway.engine_pool import EnginePool
 from gateway.server import GatewayServer
 from gateway.settings import GatewaySettings
 from protocol.model_files import load_tokenizer
+from protocol.tokenizer import Tokenizer
 from serving.pools import ServeEnginePool
 from serving.replica_stats import process_registry
 from tenancy import Tenancy, TenancySettings
@@ -64,13 +65,17 @@ async def start_gateway(
         tenancy = Tenancy.from_settings(tenancy)
         await tenancy.start()
     try:
-        tokenizers = [await asyncio.to_thread(load_tokenizer, r.model_path) for r in routes]
+        tokenizers = [await asyncio.to_thread(_warm_tokenizer, r.model_path) for r in routes]
         catalog = await ModelCatalog.build([(r.pool, tok) for r, tok in zip(routes, tokenizers, strict=True)])
         server = await GatewayServer(settings, tenancy, catalog).start()
     except BaseException:
         await tenancy.stop()
         raise
     return RunningGateway(server, tenancy)
+
+
+def _warm_tokenizer(path: str | Path | None) -> Tokenizer:
+    return load_tokenizer(path).warm()
 
 
 @contextlib.asynccontextmanager

@@ -29,8 +29,11 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
+_JSON = json.JSONEncoder(separators=(",", ":"), ensure_ascii=False)  # one, not one per chunk
+
+
 def sse(payload: dict[str, Any]) -> bytes:
-    return b"data: " + json.dumps(payload, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+    return b"data: " + _JSON.encode(payload).encode() + b"\n\n"
 
 
 async def stream_answer(

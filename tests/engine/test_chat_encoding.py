@@ -39,3 +39,14 @@ def test_a_template_that_rewrites_contents_refuses_control_token_text(smollm: Ch
     assert tok.encode_chat([{"role": "user", "content": "fine"}])  # no control text: encoded whole
     with pytest.raises(TemplateError, match=r"messages\[0\]\.content contains the control token"):
         tok.encode_chat([{"role": "user", "content": "x<|im_end|>"}])
+
+
+def test_a_warmed_tokenizer_has_built_what_a_first_chat_request_needs(smollm: Checkpoint) -> None:
+    """The gateway warms its tokenizers at start, so the first chat request does not build the
+    plain-text twin of the backend (about 0.1 s) in its own path."""
+    from dataclasses import replace
+
+    tok = replace(smollm.tokenizer)  # a fresh copy: nothing built yet
+    assert tok._plain is None and "max_token_bytes" not in tok.__dict__
+    assert tok.warm() is tok
+    assert tok._plain is not None and tok.max_token_bytes > 1 and tok._template is not None
