@@ -4,6 +4,7 @@ with this file; anything else it reports is dead code to delete."""
 
 # Ray Serve calls these on deployment replicas and on request routers.
 record_routing_stats  # serving.replica.EngineReplica
+record_autoscaling_stats  # serving.replica.EngineReplica
 check_health  # serving.replica.EngineReplica, serving.ingress.GatewayIngress
 LoomRequestRouter  # serving.router, named by ROUTER_CLASS as an import path
 initialize_state  # serving.router.LoomRequestRouter

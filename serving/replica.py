@@ -27,7 +27,7 @@ from protocol.requests import EngineDeadError, GenerationRequest, RequestOutput
 from protocol.stats import EngineStats
 from serving import start_phases
 from serving.autoscaling import ENGINE_REQUESTS_METRIC, POLICY
-from serving.outbox import Outboxes
+from serving.outbox import Outboxes, RequestFailed
 from serving.pinning import Pinned, ReplicaGoneError
 from serving.replica_stats import UNHEALTHY_AFTER_FAILED_STEPS
 from serving.router import ROUTER_CLASS
@@ -104,7 +104,7 @@ class EngineReplica:
                     box.untrack(request.request_id)
                     self.engine.abort(request.request_id)
 
-    async def deltas(self, pinned: Pinned) -> AsyncIterator[list[RequestOutput]]:
+    async def deltas(self, pinned: Pinned) -> AsyncIterator[list[RequestOutput | RequestFailed]]:
         """The subscriber's stream on this replica: an empty batch once open, then every delta owed
         to it, many requests' per item; it ends when nothing is owed or live for a while."""
         self._check_pin(pinned)
@@ -241,7 +241,7 @@ def engine_deployment(
             min_replicas=min_replicas,
             max_replicas=max_replicas,
             target_ongoing_requests=target_ongoing_requests,
-            policy=AutoscalingPolicy(policy_function=POLICY),
+            policy=AutoscalingPolicy.model_validate({"policy_function": POLICY}),
         )
     else:
         options["num_replicas"] = num_replicas
