@@ -321,7 +321,7 @@ async def _through_replica(replica: Any, request: GenerationRequest) -> list[Req
 
     stream = replica.deltas(Pinned(replica.replica_id, "test-gateway"))
     assert await anext(stream) == []  # the stream is open
-    call = asyncio.ensure_future(replica.generate(request, "test-gateway"))
+    call = asyncio.ensure_future(replica.generate([request], "test-gateway"))
     outs: list[RequestOutput] = []
     while not (outs and outs[-1].finished):
         outs += await asyncio.wait_for(anext(stream), 30)
